@@ -1,0 +1,1 @@
+"""Benchmarks. Run one with `python -m bench.<name>`, or all with `python -m bench`."""

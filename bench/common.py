@@ -1,0 +1,107 @@
+"""Shared benchmark plumbing: timing with CUDA events, the results file format, tables.
+
+Every benchmark writes `bench/results/<name>.json` in one format (see DESIGN.md section 5):
+{"name", "device", "num_gpus", "torch", "cuda", "date", "rows": [{"case", "variant", "median_ms",
+"p10_ms", "p90_ms", "peak_mem_mb", ...}]}, so ratios can be recomputed from the file alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def quantiles(samples: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return {"median_ms": statistics.median(ordered), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
+
+
+def time_cuda(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:
+    """Median/p10/p90 milliseconds per call of `fn`, timed with CUDA events over `inner` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    return quantiles(samples)
+
+
+def time_host(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:
+    """Milliseconds per call on the host clock, synchronizing CUDA (if any) before reading it."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3 / inner)
+    return quantiles(samples)
+
+
+def peak_memory_mb(fn: Callable[[], Any]) -> float:
+    """Peak CUDA memory (MiB) allocated while `fn` runs once, above what was allocated before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def write_results(name: str, rows: list[dict[str, Any]], **extra: Any) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    record = {
+        "name": name,
+        "device": device_name(),
+        "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+        "rows": rows,
+    }
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[str], title: str = "") -> None:
+    if title:
+        print(f"\n{title}")
+    text = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in text)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in text:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

@@ -1,0 +1,22 @@
+"""dynaflow_fn: intra-device parallelism for PyTorch as composable function transforms.
+
+    fn, params = df.pure(model)        # an nn.Module as a pure function of (params, *args)
+    prog = df.trace(fn, params, x)     # the Program: an aten graph that prints as code
+    fast = df.jit(fn)                  # trace + lower on the first call, replay a CUDA graph after
+    print(fast.lower(params, x))       # the Plan: streams, steps, events, buffers
+"""
+
+from .errors import DynaflowError, InputError, ScheduleError, TraceError, TransformError, VerificationError
+from .jit import CacheInfo, Jitted, jit
+from .lower import lower
+from .plan import Plan
+from .program import Program
+from .pure import pure
+from .regions import region
+from .trace import trace
+from .verify import verify
+
+__all__ = [
+    "CacheInfo", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "TraceError",
+    "TransformError", "VerificationError", "jit", "lower", "pure", "region", "trace", "verify",
+]

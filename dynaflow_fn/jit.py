@@ -1,0 +1,231 @@
+"""`df.jit`: trace, transform and lower on the first call for each input signature; replay after.
+
+The cache key is the pytree structure of (args, kwargs) plus, per leaf, the shape, strides, dtype and
+device of a tensor or the type and value of a static leaf, as in `jax.jit`. A call whose key is cached
+runs its executable straight away: on CUDA that is input copies, one graph replay and output clones.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from . import tree
+from .errors import InputError
+from .lower import lower
+from .plan import Plan
+from .program import Program, dtype_name
+from .runtime.cudagraph import AdoptedInputMoved, CudaGraphExecutable
+from .runtime.eager import EagerExecutable
+from .trace import trace
+from .verify import verify
+
+BACKENDS = ("auto", "eager", "cudagraph")
+RETRACE_WARNING_ENTRIES = 8
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """Counters of a jitted function: calls served from the cache, traces, graph captures, entries."""
+
+    hits: int
+    misses: int
+    captures: int
+    entries: int
+
+
+def _leaf_key(leaf: Any) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.stride(), leaf.dtype, leaf.device)
+    return (type(leaf), leaf)
+
+
+class _Entry:
+    """One cache entry: the plan for a signature and the executable that runs it."""
+
+    def __init__(self, jitted: "Jitted", plan: Plan, tensor_positions: tuple[int, ...], donated: frozenset[int]):
+        self.jitted = jitted
+        self.plan = plan
+        self.tensor_positions = tensor_positions
+        self.donated = donated
+        self.backend = jitted.resolve_backend(plan.device)
+        self.executable: Any = None
+
+    def _build(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self.backend == "cudagraph":
+            adopt = [isinstance(t, torch.nn.Parameter) or i in self.donated for i, t in enumerate(tensors)]
+            self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
+                                                  self.jitted.static_outputs)
+            self.jitted.captures += 1
+        else:
+            self.executable = EagerExecutable(self.plan, self.plan.device)
+
+    @torch.no_grad()
+    def __call__(self, leaves: Sequence[Any]) -> Any:
+        tensors = [leaves[i] for i in self.tensor_positions]
+        if self.executable is None:
+            self._build(tensors)
+        try:
+            outputs = self.executable(tensors)
+        except AdoptedInputMoved:
+            self._build(tensors)
+            outputs = self.executable(tensors)
+        return self.plan.unflatten_outputs(outputs)
+
+
+class Jitted:
+    """A function compiled per input signature into a static Plan and run by a backend."""
+
+    def __init__(self, fn: Callable[..., Any], backend: str, donate_argnums: Sequence[int], static_outputs: bool):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.fn = fn
+        self.backend = backend
+        self.donate_argnums = tuple(donate_argnums)
+        self.static_outputs = static_outputs
+        self._cache: dict[Any, _Entry] = {}
+        self.hits = self.misses = self.captures = 0
+        functools.update_wrapper(self, fn, updated=())
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = optree.tree_flatten((args, kwargs))
+        try:
+            key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
+            entry = self._cache.get(key)
+        except TypeError:
+            key, entry = None, None
+        if entry is None:
+            entry = self._compile(args, kwargs, key)
+        else:
+            self.hits += 1
+        return entry(leaves)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Program:
+        """The Program (after transforms) that a call with these arguments runs."""
+        return trace(self.fn, *args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Plan:
+        """The Plan that a call with these arguments runs (built, not run, if not cached yet)."""
+        leaves, treedef = optree.tree_flatten((args, kwargs))
+        entry = self._cache.get((treedef, tuple(_leaf_key(leaf) for leaf in leaves)))
+        return entry.plan if entry is not None else self._plan(args, kwargs)[0]
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self.hits, self.misses, self.captures, len(self._cache))
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def resolve_backend(self, device: torch.device) -> str:
+        if self.backend == "auto":
+            return "cudagraph" if device.type == "cuda" else "eager"
+        if self.backend == "cudagraph" and device.type != "cuda":
+            raise InputError(f"backend='cudagraph' needs CUDA tensors, but the arguments are on {device}; "
+                             f"use backend='auto' or 'eager'")
+        return self.backend
+
+    # --- compilation -----------------------------------------------------------------------------
+
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple[int, ...], frozenset[int]]:
+        paths, leaves, _ = tree.flatten((args, kwargs))
+        arg_names = tree.argument_names(self.fn, len(args))
+        kinds = tree.classify_leaves(paths, leaves, arg_names)
+        for index in self.donate_argnums:
+            if not 0 <= index < len(args):
+                raise InputError(f"donate_argnums names argument {index}, but the call passes {len(args)} "
+                                 f"positional arguments")
+        donated = frozenset(k for k, i in enumerate(kinds.tensor_positions)
+                            if paths[i] and paths[i][0] == 0 and paths[i][1] in self.donate_argnums)
+        program = trace(self.fn, *args, **kwargs)
+        donation = _match_donations(program, donated, [tree.path_to_str(paths[i], arg_names)
+                                                       for i in kinds.tensor_positions])
+        plan = lower(program, donate=donation)
+        if len(plan.streams) > 1:
+            verify(plan)
+        return plan, kinds.tensor_positions, donated
+
+    def _compile(self, args: tuple, kwargs: dict, key: Any) -> _Entry:
+        plan, tensor_positions, donated = self._plan(args, kwargs)
+        entry = _Entry(self, plan, tensor_positions, donated)
+        self.misses += 1
+        if key is not None:
+            if len(self._cache) >= RETRACE_WARNING_ENTRIES:
+                self._warn_retracing(next(reversed(self._cache)), key, args, kwargs)
+            self._cache[key] = entry
+        return entry
+
+    def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict) -> None:
+        warnings.warn(
+            f"{getattr(self.fn, '__name__', 'fn')} has been traced for {len(self._cache) + 1} different input "
+            f"signatures ({_describe_change(previous, key, args, kwargs, self.fn)}). Each new shape, dtype, device "
+            f"or static value traces and captures again; pad inputs to a few fixed shapes, or pass changing "
+            f"scalars as tensors.", stacklevel=3)
+
+
+def _match_donations(program: Program, donated: frozenset[int], input_paths: Sequence[str]) -> dict[int, int]:
+    """Pair each donated tensor input with the first unclaimed output of the same shape, strides and dtype."""
+    if not donated:
+        return {}
+    placeholders = program.placeholders()
+    outputs = list(program.output_node().args[0])
+    claimed: dict[int, int] = {}
+    for in_index in sorted(donated):
+        wanted = placeholders[in_index].meta["val"]
+        for out_index, node in enumerate(outputs):
+            value = node.meta.get("val")
+            if out_index in claimed or not isinstance(value, torch.Tensor):
+                continue
+            if (value.shape, value.stride(), value.dtype) == (wanted.shape, wanted.stride(), wanted.dtype):
+                claimed[out_index] = in_index
+                break
+        else:
+            warnings.warn(f"donated input {input_paths[in_index]} matches no output of the same shape, strides and "
+                          f"dtype, so nothing is written into it", stacklevel=4)
+    return claimed
+
+
+def _describe_change(old: Any, new: Any, args: tuple, kwargs: dict, fn: Callable[..., Any]) -> str:
+    """Say which argument differs between two cache keys, by its path."""
+    old_tree, old_leaves = old
+    new_tree, new_leaves = new
+    if old_tree != new_tree:
+        return f"the argument structure changed from {old_tree} to {new_tree}"
+    paths, _, _ = tree.flatten((args, kwargs))
+    arg_names = tree.argument_names(fn, len(args))
+    for path, a, b in zip(paths, old_leaves, new_leaves):
+        if a != b:
+            return f"{tree.path_to_str(path, arg_names)} changed from {_leaf_text(a)} to {_leaf_text(b)}"
+    return "no visible change"
+
+
+def _leaf_text(leaf_key: tuple) -> str:
+    if len(leaf_key) == 4:
+        shape, _, dtype, device = leaf_key
+        return f"{dtype_name(dtype)}{list(shape)} on {device}"
+    return repr(leaf_key[1])
+
+
+def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_argnums: Sequence[int] = (),
+        static_outputs: bool = False) -> Any:
+    """Compile `fn` into a static Plan per input signature and run it with a backend.
+
+    backend: "auto" (a CUDA graph on CUDA, the eager interpreter elsewhere), "cudagraph" or "eager".
+    donate_argnums: positional arguments whose tensors the function may overwrite: each output with the
+        shape, strides and dtype of a donated tensor is written into it in place and returned as it.
+    static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph backend):
+        faster, but the next call overwrites them.
+
+    >>> fast = df.jit(fn)
+    >>> y = fast(params, x)          # traces, lowers and captures on the first call
+    >>> print(fast.lower(params, x)) # the Plan
+    """
+    if fn is None:
+        return functools.partial(jit, backend=backend, donate_argnums=donate_argnums, static_outputs=static_outputs)
+    return Jitted(fn, backend, donate_argnums, static_outputs)

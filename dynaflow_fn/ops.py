@@ -1,0 +1,96 @@
+"""Facts about aten ops that lowering needs: `out=` overloads, randomness, collectives.
+
+Lowering writes every kernel's result into a planned buffer. For an op such as `aten.addmm.default`
+the same packet holds `aten.addmm.out`, whose schema is the functional one plus keyword-only `out`
+tensors. Factory and conversion ops (`arange`, `_to_copy`) drop their dtype/device options in the
+`out=` form, because the `out` tensor carries them. Ops with no such overload still run, allocating
+their result; the Plan lists them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+_TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
+
+
+@dataclass(frozen=True)
+class OutVariant:
+    """How to call the `out=` overload of a functional op with the functional call's arguments."""
+
+    op: torch._ops.OpOverload
+    positional: tuple[str, ...]
+    keyword: tuple[str, ...]
+    out_names: tuple[str, ...]
+
+    def call_arguments(self, bound: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Positional and keyword arguments for `op`, from the functional call's bound arguments."""
+        positional = []
+        for name in self.positional:
+            if name not in bound:
+                break
+            positional.append(bound[name])
+        keyword = {name: bound[name] for name in self.keyword if name in bound}
+        return positional, keyword
+
+
+def _signature(arguments: Sequence[Any]) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in arguments]
+
+
+@functools.lru_cache(maxsize=None)
+def out_variant(op: torch._ops.OpOverload) -> OutVariant | None:
+    """The `out=` overload of a functional aten op, or None when it has none."""
+    schema = op._schema
+    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns) or not schema.returns:
+        return None
+    if any(str(r.type) != "Tensor" for r in schema.returns):
+        return None
+    functional = _signature(schema.arguments)
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        outs = [a for a in arguments if a.is_out]
+        if not outs or len(outs) != len(schema.returns):
+            continue
+        inputs = [a for a in arguments if not a.is_out]
+        wanted = [(n, t) for n, t in functional if not (n in _TENSOR_OPTIONS and n not in {a.name for a in inputs})]
+        if _signature(inputs) != wanted:
+            continue
+        return OutVariant(
+            op=candidate,
+            positional=tuple(a.name for a in inputs if not a.kwarg_only),
+            keyword=tuple(a.name for a in inputs if a.kwarg_only),
+            out_names=tuple(a.name for a in outs),
+        )
+    return None
+
+
+def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Map a call's positional and keyword arguments to the schema's argument names."""
+    bound = dict(kwargs)
+    for argument, value in zip(op._schema.arguments, args):
+        bound[argument.name] = value
+    return bound
+
+
+def is_random(op: Any) -> bool:
+    """Whether an op draws random numbers (its result must not be computed once and reused)."""
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+def is_mutating(op: Any) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
+
+
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+def is_collective(op: Any) -> bool:
+    """Whether an op communicates with other ranks (a functional collective or its wait)."""
+    return isinstance(op, torch._ops.OpOverload) and op.namespace in COLLECTIVE_NAMESPACES

@@ -1,0 +1,247 @@
+"""The Plan: a flat, printable list of steps over preallocated storage. Data, not code.
+
+A Plan says, for one set of input shapes, exactly what runs: each step's stream, op, argument slots,
+output slots and the events it waits for and records. Memory is described by `Storage`s (the caller's
+inputs, one arena of scratch memory at fixed offsets, outputs, constants, and results of ops that
+still allocate) and `Slot`s (tensor views into a storage). Backends only interpret this data.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import optree
+import torch
+
+from .program import InputSpec, OutputSpec, Stream, dtype_name, format_arg, op_name
+
+
+class StorageKind(str, enum.Enum):
+    INPUT = "input"          # a caller's tensor
+    ARENA = "arena"          # scratch memory at a fixed byte offset of the plan's arena
+    OUTPUT = "output"        # memory that outlives the call: returned to the caller
+    CONSTANT = "constant"    # computed once when the plan is bound, or a constant of the program
+    DYNAMIC = "dynamic"      # allocated at run time by an op that has no out= overload
+
+
+@dataclass(frozen=True)
+class Storage:
+    index: int
+    kind: StorageKind
+    nbytes: int
+    offset: int = 0                   # ARENA: byte offset in the arena
+    input_index: int | None = None    # INPUT: position among the flat tensor inputs
+    constant: str | None = None       # CONSTANT: name of a program constant (None: computed by setup)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape, strides (in elements), dtype and element offset of a tensor inside its storage."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    storage_offset: int = 0
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "Layout":
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.storage_offset())
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def byte_range(self) -> tuple[int, int]:
+        """[first, last) bytes this view touches, relative to its storage start."""
+        if any(size == 0 for size in self.shape):
+            start = self.storage_offset * self.itemsize
+            return start, start
+        last = self.storage_offset + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride))
+        return self.storage_offset * self.itemsize, (last + 1) * self.itemsize
+
+    def __str__(self) -> str:
+        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A tensor value of the plan: a view of `storage` starting `byte_offset` bytes into it."""
+
+    index: int
+    name: str
+    layout: Layout
+    storage: int
+    byte_offset: int = 0
+    bound: bool = False   # materialized when the plan is bound (inputs, planned roots); else made by a step
+
+    def byte_range(self) -> tuple[int, int]:
+        start, end = self.layout.byte_range()
+        return self.byte_offset + start, self.byte_offset + end
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An argument that is a plan slot (everything else in `Step.args` is a Python constant)."""
+
+    slot: int
+
+    def __repr__(self) -> str:
+        return f"%{self.slot}"
+
+
+class StepKind(str, enum.Enum):
+    KERNEL = "kernel"    # an out= overload writing into bound output slots
+    ALLOC = "alloc"      # a functional op whose result is allocated at run time
+    VIEW = "view"        # a view op: no kernel, no memory
+    COPY = "copy"        # outputs[0].copy_(args[0]): write-backs into inputs, outputs that alias inputs
+    FORK = "fork"        # the capture stream records an event that side streams wait on
+    JOIN = "join"        # the capture stream waits for every side stream
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int
+    kind: StepKind
+    stream: int
+    op: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    outputs: tuple[int, ...] = ()
+    out_names: tuple[str, ...] = ()
+    waits: tuple[int, ...] = ()
+    records: tuple[int, ...] = ()
+    node: str = ""
+    note: str = ""
+    result_indices: tuple[int, ...] = ()   # ALLOC/VIEW of a multi-result op: which result feeds each output
+
+    def reads(self) -> tuple[int, ...]:
+        """Slots whose data this step reads (for a VIEW: the base, whose data the view exposes)."""
+        refs = [leaf.slot for leaf in optree.tree_leaves((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Ref))
+                if isinstance(leaf, Ref)]
+        return tuple(dict.fromkeys(refs))
+
+    def writes(self) -> tuple[int, ...]:
+        return self.outputs if self.kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY) else ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A static schedule for one input signature. `print(plan)` shows streams, steps and buffers."""
+
+    name: str
+    device: torch.device
+    streams: tuple[Stream, ...]
+    storages: tuple[Storage, ...]
+    slots: tuple[Slot, ...]
+    setup: tuple[Step, ...]
+    steps: tuple[Step, ...]
+    num_events: int
+    input_slots: tuple[int, ...]
+    output_slots: tuple[int, ...]
+    arena_nbytes: int
+    inputs: tuple[InputSpec, ...]
+    in_tree: optree.PyTreeSpec
+    outputs: tuple[OutputSpec, ...]
+    out_tree: optree.PyTreeSpec
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    provenance: tuple[str, ...] = ()
+
+    # --- summaries ------------------------------------------------------------------------------
+
+    def allocating_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind is StepKind.ALLOC]
+
+    def copy_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind is StepKind.COPY]
+
+    def kernel_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY)]
+
+    def storage_bytes(self, kind: StorageKind) -> int:
+        return sum(s.nbytes for s in self.storages if s.kind is kind)
+
+    def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
+        leaves = [tensors[o.tensor_index] if o.tensor_index is not None else o.static_value for o in self.outputs]
+        return optree.tree_unflatten(self.out_tree, leaves)
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+    def __repr__(self) -> str:
+        return (f"<Plan {self.name}: {len(self.streams)} streams, {len(self.steps)} steps, "
+                f"arena {format_bytes(self.arena_nbytes)}>")
+
+
+def format_bytes(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def _format_value(plan: Plan, value: Any) -> str:
+    if isinstance(value, Ref):
+        return plan.slots[value.slot].name
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_format_value(plan, v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return format_arg(value)
+
+
+def format_step(plan: Plan, step: Step) -> str:
+    outs = ", ".join(plan.slots[i].name for i in step.outputs)
+    sync = "".join(f" wait(e{e})" for e in step.waits)
+    after = "".join(f" record(e{e})" for e in step.records)
+    if step.kind in (StepKind.FORK, StepKind.JOIN):
+        return f"s{step.stream}  {step.kind.value}{sync}{after}"
+    args = [_format_value(plan, a) for a in step.args] + [f"{k}={_format_value(plan, v)}" for k, v in step.kwargs.items()]
+    if step.kind is StepKind.COPY:
+        call = f"{outs}.copy_({args[1]})"
+    else:
+        call = f"{outs} = {op_name(step.op)}({', '.join(args)})"
+    where = ""
+    if step.kind is StepKind.KERNEL:
+        where = "  -> " + ", ".join(_slot_place(plan, i) for i in step.outputs)
+    tag = {StepKind.ALLOC: "  [allocates]", StepKind.COPY: "  [copy]", StepKind.VIEW: "  [view]"}.get(step.kind, "")
+    note = f"  ({step.note})" if step.note else ""
+    return f"s{step.stream} {sync.strip()+' ' if sync else ''}{call}{where}{tag}{note}{after}"
+
+
+def _slot_place(plan: Plan, slot_index: int) -> str:
+    slot = plan.slots[slot_index]
+    storage = plan.storages[slot.storage]
+    if storage.kind is StorageKind.ARENA:
+        return f"arena@{storage.offset + slot.byte_offset}"
+    return f"{storage.kind.value}{storage.index}" + (f"+{slot.byte_offset}" if slot.byte_offset else "")
+
+
+def format_plan(plan: Plan) -> str:
+    arena = [s for s in plan.storages if s.kind is StorageKind.ARENA]
+    outputs = [s for s in plan.storages if s.kind is StorageKind.OUTPUT]
+    allocs, copies = plan.allocating_steps(), plan.copy_steps()
+    lines = [
+        f"# Plan {plan.name} on {plan.device}  passes: {' -> '.join(plan.provenance)}",
+        "# streams: " + ", ".join(f"s{s.index}={s.name}" + (f"(priority {s.priority})" if s.priority else "")
+                                  for s in plan.streams),
+        f"# {len(plan.steps)} steps, {len(plan.kernel_steps())} launch kernels, {plan.num_events} events",
+        f"# arena: {format_bytes(plan.arena_nbytes)} holding {len(arena)} buffers "
+        f"({format_bytes(sum(s.nbytes for s in arena))} unshared); outputs: {len(outputs)} buffers, "
+        f"{format_bytes(sum(s.nbytes for s in outputs))}",
+        f"# allocates: {len(allocs)} steps" + (" (" + ", ".join(sorted({op_name(s.op) for s in allocs})) + ")" if allocs else ""),
+        f"# copies: {len(copies)} steps" + (" (" + ", ".join(sorted({s.note or 'copy' for s in copies})) + ")" if copies else ""),
+    ]
+    if plan.setup:
+        lines.append(f"# setup (once, when bound): {len(plan.setup)} steps")
+        lines += ["    " + format_step(plan, s) for s in plan.setup]
+    lines.append("steps:")
+    lines += ["    " + format_step(plan, s) for s in plan.steps]
+    if arena:
+        lines.append("arena buffers:")
+        for storage in sorted(arena, key=lambda s: (s.offset, s.index)):
+            names = [slot.name for slot in plan.slots if slot.storage == storage.index and slot.bound]
+            lines.append(f"    [{storage.offset:>10}, {storage.offset + storage.nbytes:>10})  "
+                         f"{format_bytes(storage.nbytes):>10}  {', '.join(names)}")
+    return "\n".join(lines)

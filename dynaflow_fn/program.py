@@ -1,0 +1,287 @@
+"""The Program: a traced, functional aten graph plus everything transforms and lowering need.
+
+A Program is immutable from the outside: transforms build a new one (`Program.annotate`,
+`Program.with_graph`) and append a provenance line, so `print(program)` shows what happened to it.
+Per-node annotations live in `node.meta["df"]` as a frozen `NodeInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import optree
+import torch
+from torch import fx
+
+from .regions import Scope
+
+_DTYPE_NAMES = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def type_str(value: Any) -> str:
+    """`f32[8, 32]`, with strides shown only when the layout is not contiguous."""
+    if isinstance(value, torch.Tensor):
+        shape = list(value.shape)
+        text = f"{dtype_name(value.dtype)}{shape}"
+        if value.dim() and tuple(value.stride()) != contiguous_strides(value.shape):
+            text += f"/stride{tuple(value.stride())}"
+        return text
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(type_str(v) for v in value) + ")"
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Annotations of one node. Written by transforms, read by lowering and printing.
+
+    scopes: module calls, regions and micro-batch bodies the node was traced inside, outermost first.
+    stage:  the stage (a group of nodes scheduled as one unit) that `partition` put it in.
+    tags:   free-form labels from partition rules (e.g. "attn", "comm", "no-inductor").
+    kind:   "compute", "memory", "comm" or "view", from the cost model.
+    stream: the stream the schedule placed it on; order: its position in the issue order.
+    """
+
+    scopes: tuple[Scope, ...] = ()
+    stage: int | None = None
+    tags: frozenset[str] = frozenset()
+    kind: str | None = None
+    stream: int | None = None
+    order: int | None = None
+
+    @property
+    def mb(self) -> int | None:
+        """The micro-batch this node computes, or None for nodes shared by all micro-batches."""
+        for scope in reversed(self.scopes):
+            if scope.kind == "microbatch":
+                return scope.index
+        return None
+
+    def replace(self, **changes: Any) -> "NodeInfo":
+        return dataclasses.replace(self, **changes)
+
+
+_EMPTY_INFO = NodeInfo()
+
+
+def info(node: fx.Node) -> NodeInfo:
+    return node.meta.get("df", _EMPTY_INFO)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One leaf of the (args, kwargs) pytree: a tensor input (a placeholder) or a static value."""
+
+    path: str
+    node_name: str | None
+    static_value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.node_name is not None
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One leaf of the returned pytree: the index of a tensor in the output node, or a static value."""
+
+    path: str
+    tensor_index: int | None
+    static_value: Any = None
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A stream of a schedule. Priority follows CUDA: lower numbers run first when both are ready."""
+
+    index: int
+    name: str
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Program:
+    """A traced function: an aten-level functional FX graph with input/output pytree specs.
+
+    Calling a Program runs its graph eagerly, which is handy as a reference. Printing it shows code.
+    """
+
+    graph_module: fx.GraphModule
+    name: str
+    inputs: tuple[InputSpec, ...]
+    in_tree: optree.PyTreeSpec
+    outputs: tuple[OutputSpec, ...]
+    out_tree: optree.PyTreeSpec
+    provenance: tuple[str, ...] = ()
+    streams: tuple[Stream, ...] = (Stream(0, "main"),)
+    source: Any = field(default=None, compare=False)
+    passes: tuple[Any, ...] = field(default=(), compare=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def nodes(self) -> Iterator[fx.Node]:
+        return iter(self.graph.nodes)
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    def ops(self) -> list[fx.Node]:
+        """The call_function nodes, in trace order."""
+        return [n for n in self.graph.nodes if n.op == "call_function"]
+
+    def is_scheduled(self) -> bool:
+        return any(info(n).order is not None for n in self.ops())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = optree.tree_leaves((args, kwargs))
+        tensors = [leaf for leaf, spec in zip(leaves, self.inputs) if spec.is_tensor]
+        flat_out = self.graph_module(*tensors)
+        return self.unflatten_outputs(flat_out)
+
+    def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
+        leaves = [tensors[o.tensor_index] if o.tensor_index is not None else o.static_value for o in self.outputs]
+        return optree.tree_unflatten(self.out_tree, leaves)
+
+    # --- functional updates -------------------------------------------------------------------
+
+    def annotate(self, update: Callable[[fx.Node, NodeInfo], NodeInfo], provenance: str,
+                 **changes: Any) -> "Program":
+        """A new Program whose nodes carry `update(node, info)`; this one is left untouched."""
+        program = self.with_graph(copy_graph_module(self.graph_module)[0], provenance, **changes)
+        for node in program.graph.nodes:
+            node.meta["df"] = update(node, info(node))
+        return program
+
+    def with_graph(self, graph_module: fx.GraphModule, provenance: str, **changes: Any) -> "Program":
+        return dataclasses.replace(self, graph_module=graph_module,
+                                   provenance=self.provenance + (provenance,), **changes)
+
+    # --- printing ------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        return format_program(self)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name}: {len(self.ops())} ops, passes: {', '.join(self.provenance)}>"
+
+
+def copy_graph_module(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """Copy a GraphModule's graph (node metadata is shallow-copied; NodeInfo is immutable)."""
+    graph = fx.Graph()
+    node_map: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(graph_module.graph, node_map))
+    return fx.GraphModule(graph_module, graph), node_map
+
+
+# --- formatting ---------------------------------------------------------------------------------
+
+
+def op_name(target: Any) -> str:
+    """`aten.mm` for default overloads, `aten.add.Tensor` otherwise; Python callables by name."""
+    if isinstance(target, torch._ops.OpOverload):
+        namespace = target.namespace
+        packet = target._schema.name.split("::")[-1]
+        overload = target._overloadname
+        return f"{namespace}.{packet}" if overload == "default" else f"{namespace}.{packet}.{overload}"
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def format_arg(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(format_arg(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+    if isinstance(arg, torch.dtype):
+        return str(arg)
+    if isinstance(arg, float):
+        return repr(arg)
+    return repr(arg)
+
+
+def format_call(node: fx.Node) -> str:
+    args = [format_arg(a) for a in node.args]
+    args += [f"{k}={format_arg(v)}" for k, v in node.kwargs.items()]
+    if node.target is operator.getitem:
+        return f"{args[0]}[{args[1]}]"
+    return f"{op_name(node.target)}({', '.join(args)})"
+
+
+def annotation_str(node_info: NodeInfo) -> str:
+    """The trailing comment of a printed node: where it came from and how it is scheduled."""
+    parts = []
+    modules = [s for s in node_info.scopes if s.kind == "module"]
+    if modules:
+        parts.append(str(modules[-1]))
+    parts += [str(s) for s in node_info.scopes if s.kind == "region"]
+    if node_info.mb is not None:
+        parts.append(f"mb={node_info.mb}")
+    if node_info.stage is not None:
+        parts.append(f"stage={node_info.stage}")
+    if node_info.tags:
+        parts.append("[" + ",".join(sorted(node_info.tags)) + "]")
+    if node_info.kind is not None:
+        parts.append(node_info.kind)
+    if node_info.stream is not None:
+        parts.append(f"s{node_info.stream}")
+    if node_info.order is not None:
+        parts.append(f"#{node_info.order}")
+    return " ".join(parts)
+
+
+def _lines_with_comments(rows: Iterable[tuple[str, str]], indent: str = "    ") -> list[str]:
+    rows = list(rows)
+    width = min(max((len(code) for code, _ in rows), default=0), 88)
+    return [f"{indent}{code:<{width}}  # {comment}" if comment else f"{indent}{code}" for code, comment in rows]
+
+
+def format_program(program: Program) -> str:
+    placeholders = program.placeholders()
+    parameters = [f"{p.name}: {type_str(p.meta.get('val'))}" for p in placeholders]
+    signature = ", ".join(parameters)
+    if len(signature) > 80:
+        signature = "\n" + "".join(f"    {p},\n" for p in parameters)
+    header = [f"# Program {program.name}  passes: {' -> '.join(program.provenance) or '(none)'}"]
+    if len(program.streams) > 1:
+        header.append("# streams: " + ", ".join(f"s{s.index}={s.name}(priority {s.priority})" for s in program.streams))
+    statics = [spec for spec in program.inputs if not spec.is_tensor]
+    if statics:
+        header.append("# static: " + ", ".join(f"{s.path}={s.static_value!r}" for s in statics))
+    rows = []
+    for node in program.graph.nodes:
+        if node.op == "call_function":
+            rows.append((f"{node.name}: {type_str(node.meta.get('val'))} = {format_call(node)}",
+                         annotation_str(info(node))))
+        elif node.op == "get_attr":
+            rows.append((f"{node.name}: {type_str(node.meta.get('val'))} = <constant>", ""))
+        elif node.op == "output":
+            rows.append((f"return {format_arg(node.args[0])}", ""))
+    body = _lines_with_comments(rows)
+    return "\n".join(header + [f"def {program.name}({signature}):"] + body)

@@ -1,0 +1,147 @@
+"""Scopes: which module call, `df.region` block or micro-batch each traced node came from.
+
+While `make_fx` traces, nodes are appended to one FX graph in execution order. A scope that opens
+and closes around some Python code therefore owns exactly the nodes appended in between. The
+recorder remembers the graph's last node when a scope opens and, when it closes, tags every node
+appended since. This needs no change to the model and works the same for `nn.Module` calls (through
+global forward hooks), `df.region(...)` blocks and the micro-batch bodies that `T.microbatch` emits.
+
+Outside a trace `df.region` does nothing, so tagged model code runs unchanged in eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+from torch import fx
+from torch.nn.modules import module as nn_module
+
+ScopeKind = Literal["module", "region", "microbatch"]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One dynamic instance of a module call, a region block or a micro-batch body.
+
+    `instance` distinguishes two calls of the same module (or two blocks with the same region
+    name): partition rules cut around instances, never merge them unless asked to.
+    """
+
+    kind: ScopeKind
+    name: str
+    instance: int
+    module_type: type | None = None
+    index: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "module":
+            label = self.module_type.__name__ if self.module_type is not None else "?"
+            return f"{self.name}:{label}" if self.name else label
+        if self.kind == "microbatch":
+            return f"mb{self.index}"
+        return f"region({self.name})"
+
+
+class ScopeRecorder:
+    """Tags the nodes of a graph under construction with the scopes that were open when they appeared."""
+
+    def __init__(self, graph: fx.Graph, module_names: dict[int, str]):
+        self.graph = graph
+        self.module_names = module_names
+        self.scopes_of: dict[fx.Node, list[Scope]] = {}
+        self._open: list[tuple[Scope, fx.Node]] = []
+        self._instances = itertools.count()
+
+    def _last_node(self) -> fx.Node:
+        return next(iter(reversed(self.graph.nodes)), self.graph._root)
+
+    def open(self, kind: ScopeKind, name: str, module_type: type | None = None, index: int | None = None) -> Scope:
+        scope = Scope(kind, name, next(self._instances), module_type, index)
+        self._open.append((scope, self._last_node()))
+        return scope
+
+    def close(self, scope: Scope) -> None:
+        opened, start = self._open.pop()
+        if opened is not scope:
+            raise RuntimeError(f"scope {scope} closed while {opened} is still open")
+        node = start.next
+        while node is not self.graph._root:
+            self.scopes_of.setdefault(node, []).append(scope)
+            node = node.next
+
+    @contextlib.contextmanager
+    def scope(self, kind: ScopeKind, name: str, module_type: type | None = None,
+              index: int | None = None) -> Iterator[Scope]:
+        opened = self.open(kind, name, module_type, index)
+        try:
+            yield opened
+        finally:
+            self.close(opened)
+
+    def finish(self) -> dict[fx.Node, tuple[Scope, ...]]:
+        """Scopes per node, outermost first (scopes close inner to outer, so the lists are reversed)."""
+        return {node: tuple(reversed(scopes)) for node, scopes in self.scopes_of.items()}
+
+    @contextlib.contextmanager
+    def module_hooks(self) -> Iterator[None]:
+        """Open a module scope around every `nn.Module` call made while tracing."""
+        stack: list[Scope] = []
+
+        def pre_hook(module: torch.nn.Module, args: object) -> None:
+            name = self.module_names.get(id(module), "")
+            stack.append(self.open("module", name, type(module)))
+
+        def post_hook(module: torch.nn.Module, args: object, output: object) -> None:
+            if stack:
+                self.close(stack.pop())
+
+        pre = nn_module.register_module_forward_pre_hook(pre_hook)
+        post = nn_module.register_module_forward_hook(post_hook, always_call=True)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+
+_state = threading.local()
+
+
+def active_recorder() -> ScopeRecorder | None:
+    """The recorder of the trace running on this thread, if any."""
+    return getattr(_state, "recorder", None)
+
+
+@contextlib.contextmanager
+def recording(recorder: ScopeRecorder) -> Iterator[ScopeRecorder]:
+    previous = active_recorder()
+    _state.recorder = recorder
+    try:
+        with recorder.module_hooks():
+            yield recorder
+    finally:
+        _state.recorder = previous
+
+
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    """Tag the ops traced inside this block with a region name, for `T.Region(name)` partition rules.
+
+    >>> with df.region("attn"):
+    ...     h = attention(x)
+
+    Outside a trace it does nothing, so the model still runs in eager PyTorch unchanged.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"df.region needs a non-empty string name, got {name!r}")
+    recorder = active_recorder()
+    if recorder is None:
+        yield
+        return
+    with recorder.scope("region", name):
+        yield

@@ -1,0 +1,90 @@
+"""The cudagraph backend: capture the whole multi-stream Plan once into one CUDA graph; replay it.
+
+At bind time every tensor the plan touches gets a fixed address: the arena, the output buffers, and a
+static buffer per input. Inputs that are `nn.Parameter`s or donated are *adopted*: the graph reads
+(and, for donated ones, writes) the caller's own tensor, so parameters are never copied. Other inputs
+are copied into their static buffers before each replay. If an adopted tensor later arrives at a
+different address, the executable reports it and `jit` captures again.
+
+A call is: copy the non-adopted inputs, replay, then clone the outputs (or hand out the static
+outputs themselves when the caller asked for them; the next call overwrites those).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..plan import Plan, StepKind, StorageKind
+from .interpreter import BoundPlan
+
+
+class AdoptedInputMoved(Exception):
+    """An adopted input (a parameter or donated tensor) arrived at a new address: capture again."""
+
+
+class CudaGraphExecutable:
+    def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
+                 adopt: Sequence[bool], static_outputs: bool = False):
+        self.plan = plan
+        self.static_outputs = static_outputs
+        self.bound = BoundPlan(plan, device)
+        self.adopt = list(adopt)
+        self.static_inputs = [tensor if adopted else torch.empty_strided(tensor.shape, tensor.stride(),
+                                                                          dtype=tensor.dtype, device=device)
+                              for tensor, adopted in zip(inputs, adopt)]
+        self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
+        mutated_slots = {step.outputs[0] for step in plan.steps
+                         if step.kind is StepKind.COPY and plan.storages[plan.slots[step.outputs[0]].storage].kind
+                         is StorageKind.INPUT}
+        self.write_back = [i for i, slot in enumerate(plan.input_slots) if slot in mutated_slots and not adopt[i]]
+        self.env = self.bound.new_env(self.static_inputs)
+        self.bound.allocate_outputs(self.env)
+        input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
+        self.output_input = [input_position.get(slot) for slot in plan.output_slots]
+        self._capture(device, inputs)
+
+    def _capture(self, device: torch.device, inputs: Sequence[torch.Tensor]) -> None:
+        capture_stream = torch.cuda.Stream(device)
+        streams = [capture_stream] + [torch.cuda.Stream(device, priority=s.priority) for s in self.plan.streams[1:]]
+        events = [torch.cuda.Event() for _ in range(self.plan.num_events)]
+        self._load_inputs(inputs)
+        capture_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(capture_stream):
+            warm_env = list(self.env)
+            self.bound.run(warm_env, streams, events)
+        torch.cuda.current_stream(device).wait_stream(capture_stream)
+        torch.cuda.synchronize(device)
+        self._load_inputs(inputs)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=capture_stream):
+            self.bound.run(self.env, streams, events)
+        self._keep_alive = (streams, events)
+
+    def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        for i in self.copied:
+            if inputs[i] is not self.static_inputs[i]:
+                self.static_inputs[i].copy_(inputs[i])
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+        for i, adopted in enumerate(self.adopt):
+            if adopted and inputs[i].data_ptr() != self.static_inputs[i].data_ptr():
+                raise AdoptedInputMoved(i)
+        self._load_inputs(inputs)
+        self.graph.replay()
+        for i in self.write_back:
+            inputs[i].copy_(self.static_inputs[i])
+        outputs = self.bound.outputs(self.env)
+        if self.static_outputs:
+            return outputs
+        cloned: dict[int, torch.Tensor] = {}
+        results = []
+        for tensor, input_index, slot in zip(outputs, self.output_input, self.plan.output_slots):
+            if input_index is not None:
+                results.append(inputs[input_index])
+            else:
+                if slot not in cloned:
+                    cloned[slot] = tensor.clone()
+                results.append(cloned[slot])
+        return results

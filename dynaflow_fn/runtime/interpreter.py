@@ -1,0 +1,133 @@
+"""Interpreting a Plan: memory binding and step execution shared by every backend.
+
+`BoundPlan` allocates what a plan needs once (the arena, constants, the results of `setup`) and turns
+each step into a small closure over slot indices, so running a plan is a loop of closure calls. On
+CUDA every plan stream maps to a `torch.cuda.Stream` and events to `torch.cuda.Event`s; on the CPU the
+steps simply run in issue order, which the verifier proves is equivalent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from ..plan import Plan, Ref, Slot, Step, StepKind, StorageKind
+
+Env = list
+
+
+def _byte_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
+
+
+def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
+    """The tensor of `slot`, placed `offset` bytes into a raw byte buffer."""
+    layout = slot.layout
+    start = offset + slot.byte_offset
+    if start % layout.itemsize:
+        raise AssertionError(f"slot {slot.name} is misaligned at byte {start}")
+    typed = buffer.view(layout.dtype)
+    return typed.as_strided(layout.shape, layout.stride, start // layout.itemsize + layout.storage_offset)
+
+
+def compile_step(step: Step) -> Callable[[Env], None]:
+    """A closure that runs one step against an environment (a list indexed by slot)."""
+    if step.kind in (StepKind.FORK, StepKind.JOIN):
+        return lambda env: None
+    if step.kind is StepKind.COPY:
+        dst, src = step.args[0].slot, step.args[1].slot
+        return lambda env: env[dst].copy_(env[src])
+
+    leaves, spec = optree.tree_flatten((step.args, step.kwargs), is_leaf=lambda x: isinstance(x, Ref),
+                                       none_is_leaf=True)
+    refs = [(i, leaf.slot) for i, leaf in enumerate(leaves) if isinstance(leaf, Ref)]
+    op = step.op
+
+    def arguments(env: Env) -> tuple[tuple, dict]:
+        values = list(leaves)
+        for position, slot in refs:
+            values[position] = env[slot]
+        return optree.tree_unflatten(spec, values)
+
+    if step.kind is StepKind.KERNEL:
+        outs = list(zip(step.out_names, step.outputs))
+
+        def run_kernel(env: Env) -> None:
+            args, kwargs = arguments(env)
+            for name, slot in outs:
+                kwargs[name] = env[slot]
+            op(*args, **kwargs)
+        return run_kernel
+
+    outputs, indices = step.outputs, step.result_indices
+    if not indices:
+        only = outputs[0]
+
+        def run_single(env: Env) -> None:
+            args, kwargs = arguments(env)
+            env[only] = op(*args, **kwargs)
+        return run_single
+
+    def run_multi(env: Env) -> None:
+        args, kwargs = arguments(env)
+        results = op(*args, **kwargs)
+        for slot, index in zip(outputs, indices):
+            env[slot] = results[index]
+    return run_multi
+
+
+class BoundPlan:
+    """A plan with its arena, constants and setup results in place, ready to run many times."""
+
+    def __init__(self, plan: Plan, device: torch.device):
+        self.plan = plan
+        self.device = device
+        self.arena = _byte_buffer(plan.arena_nbytes, device)
+        self.template: Env = [None] * len(plan.slots)
+        for slot in plan.slots:
+            storage = plan.storages[slot.storage]
+            if slot.bound and storage.kind is StorageKind.ARENA:
+                self.template[slot.index] = view_of(self.arena, storage.offset, slot)
+            elif slot.bound and storage.kind is StorageKind.CONSTANT:
+                constant = plan.constants[storage.constant]
+                self.template[slot.index] = constant.to(device) if constant.device != device else constant
+        for step in plan.setup:
+            compile_step(step)(self.template)
+        self.output_slots = [(slot, plan.storages[slot.storage]) for slot in plan.slots
+                             if slot.bound and plan.storages[slot.storage].kind is StorageKind.OUTPUT]
+        self.runners = [compile_step(step) for step in plan.steps]
+
+    def new_env(self, inputs: Sequence[torch.Tensor]) -> Env:
+        env = list(self.template)
+        for slot, tensor in zip(self.plan.input_slots, inputs):
+            env[slot] = tensor
+        return env
+
+    def allocate_outputs(self, env: Env) -> None:
+        buffers: dict[int, torch.Tensor] = {}
+        for slot, storage in self.output_slots:
+            buffer = buffers.get(storage.index)
+            if buffer is None:
+                buffer = buffers[storage.index] = _byte_buffer(storage.nbytes, self.device)
+            env[slot.index] = view_of(buffer, 0, slot)
+
+    def run(self, env: Env, streams: Sequence[torch.cuda.Stream] | None = None,
+            events: Sequence[torch.cuda.Event] | None = None) -> None:
+        """Run every step; with streams, each on its own stream with its event waits and records."""
+        if streams is None:
+            for runner in self.runners:
+                runner(env)
+            return
+        for step, runner in zip(self.plan.steps, self.runners):
+            stream = streams[step.stream]
+            for event in step.waits:
+                stream.wait_event(events[event])
+            with torch.cuda.stream(stream):
+                runner(env)
+            for event in step.records:
+                events[event].record(stream)
+
+    def outputs(self, env: Env) -> list[Any]:
+        return [env[slot] for slot in self.plan.output_slots]

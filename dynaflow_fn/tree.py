@@ -1,0 +1,124 @@
+"""Pytree handling shared by trace and jit: flatten (args, kwargs), name leaves, classify them.
+
+A leaf is either a tensor (it becomes a Program input) or a *static* value (a hashable Python value
+such as an int, a float, a string, None or a dtype). Static values are baked into the trace and are
+part of the jit cache key, like `static_argnums` in JAX. Anything else is an error that names the leaf.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import keyword
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from .errors import InputError
+
+_STATIC_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
+                 torch.memory_format, torch.layout, enum.Enum, slice, type(Ellipsis))
+
+
+def flatten(tree: Any) -> tuple[list[tuple], list[Any], optree.PyTreeSpec]:
+    """Flatten with optree; returns (paths, leaves, treespec). None is structure, not a leaf."""
+    return optree.tree_flatten_with_path(tree)
+
+
+def argument_names(fn: Callable, num_args: int) -> list[str]:
+    """Names of the first `num_args` positional parameters of `fn`, for readable input names."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(num_args):
+        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY, params[i].POSITIONAL_OR_KEYWORD):
+            names.append(params[i].name)
+        else:
+            names.append(f"arg{i}")
+    return names
+
+
+def path_to_str(path: tuple, arg_names: Sequence[str]) -> str:
+    """Render an optree path of the (args, kwargs) tuple as user code would write it: `params['fc.weight']`."""
+    if not path:
+        return "<root>"
+    head, *rest = path
+    if head == 0:
+        if not rest:
+            return "args"
+        index, *rest = rest
+        text = arg_names[index] if index < len(arg_names) else f"args[{index}]"
+    else:
+        if not rest:
+            return "kwargs"
+        key, *rest = rest
+        text = str(key)
+    for key in rest:
+        text += f"[{key!r}]"
+    return text
+
+
+def output_path_to_str(path: tuple) -> str:
+    """Render a path inside the function's return value: `out[0]['logits']`."""
+    return "out" + "".join(f"[{key!r}]" for key in path)
+
+
+def identifier(text: str) -> str:
+    """A Python identifier derived from a path, for node names: `params['fc.weight']` -> `fc_weight`."""
+    text = re.sub(r"^params\[", "[", text)
+    name = re.sub(r"[^0-9a-zA-Z_]+", "_", text).strip("_") or "arg"
+    if name[0].isdigit() or keyword.iskeyword(name):
+        name = "_" + name
+    return name
+
+
+def is_static_leaf(leaf: Any) -> bool:
+    """Whether `leaf` can be baked into a trace as a constant (hashable, compared by value).
+
+    Builtin scalars qualify, and so do objects of classes that define value equality (frozen
+    dataclasses, for example); plain objects hash by identity and would retrace on every new instance.
+    """
+    if not isinstance(leaf, _STATIC_TYPES) and type(leaf).__eq__ is object.__eq__:
+        return False
+    try:
+        hash(leaf)
+    except TypeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LeafKinds:
+    """Which flat leaves are tensors; the rest are static values."""
+
+    tensor_positions: tuple[int, ...]
+    static_positions: tuple[int, ...]
+
+
+def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Sequence[str]) -> LeafKinds:
+    """Split leaves into tensors and static values; raise InputError naming any other leaf."""
+    tensors, statics = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(i)
+        elif is_static_leaf(leaf):
+            statics.append(i)
+        else:
+            where = path_to_str(paths[i], arg_names)
+            kind = type(leaf).__name__
+            if type(leaf).__module__ == "numpy":
+                hint = "Convert it with torch.as_tensor."
+            elif getattr(type(leaf), "__hash__", None) is not None and type(leaf).__eq__ is object.__eq__:
+                hint = ("It compares by identity, so every new instance would trace again: make it a frozen "
+                        "dataclass (value equality) or pass its fields.")
+            else:
+                hint = ("Pass tensors, hashable Python scalars, or containers (tuple, list, dict) of them; register "
+                        "custom containers with optree.register_pytree_node.")
+            raise InputError(f"argument {where} is a {kind}, which is neither a tensor nor a hashable static "
+                             f"value. {hint}")
+    return LeafKinds(tuple(tensors), tuple(statics))

@@ -1,0 +1,98 @@
+"""Small models shared by the tests. Each builds with random weights; nothing is downloaded."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynaflow_fn as df
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(32, 64, 64, 16)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels=3, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        return self.head(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with a region-tagged attention."""
+
+    def __init__(self, dim=32, heads=4, hidden=64):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        with df.region("attn"):
+            x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TwoBranch(nn.Module):
+    """Two independent branches joined at the end: the shape `branches` overlaps."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, dim))
+        self.right = nn.Sequential(nn.Linear(dim, 48), nn.Tanh(), nn.Linear(48, dim))
+
+    def forward(self, x, y):
+        return self.left(x) + self.right(y)
+
+
+def tiny_llama(layers=2, vocab=128, hidden=64, tie=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).eval()
+
+
+def llama_logits(model):
+    """A pure function of (params, input_ids) returning the logits of an HF causal LM."""
+    fn, params = df.pure(model)
+
+    def logits(params, input_ids):
+        return fn(params, input_ids, use_cache=False).logits
+
+    return logits, params

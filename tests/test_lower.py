@@ -1,0 +1,142 @@
+import pytest
+import torch
+
+import dynaflow_fn as df
+from dynaflow_fn.plan import StepKind, StorageKind
+from models import MLP, Block, llama_logits, tiny_llama
+
+
+def _plan(fn, *args):
+    return df.lower(df.trace(fn, *args))
+
+
+def _accesses(plan):
+    """First and last step touching each arena storage."""
+    spans = {}
+    for step in plan.steps:
+        for slot in (*step.reads(), *step.writes()):
+            storage = plan.slots[slot].storage
+            if plan.storages[storage].kind is StorageKind.ARENA:
+                first, last = spans.get(storage, (step.index, step.index))
+                spans[storage] = (min(first, step.index), max(last, step.index))
+    return spans
+
+
+def test_mlp_plan_allocates_and_copies_nothing():
+    fn, params = df.pure(MLP(sizes=(32, 64, 64, 64, 16)))
+    plan = _plan(fn, params, torch.randn(8, 32))
+    assert not plan.allocating_steps() and not plan.copy_steps()
+    kernels = [s for s in plan.steps if s.kind is StepKind.KERNEL]
+    assert kernels and all(s.op._overloadname.endswith("out") for s in kernels)
+
+
+def test_arena_reuses_memory_of_dead_buffers():
+    fn, params = df.pure(MLP(sizes=(32,) + (64,) * 8 + (16,)))
+    plan = _plan(fn, params, torch.randn(8, 32))
+    arena = [s for s in plan.storages if s.kind is StorageKind.ARENA]
+    assert plan.arena_nbytes < sum(s.nbytes for s in arena) / 3
+
+
+@pytest.mark.parametrize("make", [lambda: df.pure(Block()), lambda: llama_logits(tiny_llama())])
+def test_buffers_live_at_the_same_time_never_overlap(make):
+    fn, params = make()
+    x = torch.randint(0, 128, (2, 8)) if "input_ids" in str(fn.__code__.co_varnames) else torch.randn(2, 8, 32)
+    plan = _plan(fn, params, x)
+    spans = _accesses(plan)
+    storages = list(spans)
+    for i, a in enumerate(storages):
+        for b in storages[i + 1:]:
+            (a0, a1), (b0, b1) = spans[a], spans[b]
+            if a0 <= b1 and b0 <= a1:
+                sa, sb = plan.storages[a], plan.storages[b]
+                assert sa.offset + sa.nbytes <= sb.offset or sb.offset + sb.nbytes <= sa.offset
+
+
+def test_op_without_out_overload_still_runs_and_is_reported():
+    @torch.library.custom_op("dynaflow_test::shifted", mutates_args=())
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x + 3
+
+    @shifted.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    def f(x):
+        return shifted(x * 2) * 5
+
+    plan = _plan(f, torch.randn(4))
+    allocating = plan.allocating_steps()
+    assert [s.op for s in allocating] == [torch.ops.dynaflow_test.shifted.default]
+    assert allocating[0].note == "no out= overload"
+    assert "allocates: 1 steps (dynaflow_test.shifted)" in str(plan)
+    x = torch.randn(4)
+    torch.testing.assert_close(df.jit(f)(x), (x * 2 + 3) * 5)
+
+
+def test_concatenated_kernel_results_are_written_in_place():
+    def halves(w, a, b):
+        return torch.cat([a @ w, b @ w])
+
+    w, a, b = torch.randn(16, 8), torch.randn(4, 16), torch.randn(3, 16)
+    plan = _plan(halves, w, a, b)
+    assert not any(s.node.startswith("cat") for s in plan.steps)
+    assert not plan.copy_steps() and not plan.allocating_steps()
+    output = plan.storages[plan.slots[plan.output_slots[0]].storage]
+    assert output.kind is StorageKind.OUTPUT
+    written = {plan.slots[s.outputs[0]].storage for s in plan.steps if s.kind is StepKind.KERNEL}
+    assert written == {output.index}
+    torch.testing.assert_close(df.jit(halves)(w, a, b), torch.cat([a @ w, b @ w]), rtol=0, atol=0)
+
+
+def test_work_that_depends_on_no_input_runs_once_at_setup():
+    def f(x):
+        return x + torch.arange(x.shape[0], dtype=x.dtype).sin()
+
+    plan = _plan(f, torch.randn(6))
+    assert {s.node for s in plan.setup} >= {"arange", "sin"}
+    assert [s.node for s in plan.steps] == ["add"]
+
+
+def test_random_ops_are_not_hoisted():
+    def f(x):
+        return x + torch.rand(x.shape)
+
+    plan = _plan(f, torch.randn(6))
+    assert not plan.setup
+
+
+def test_input_mutation_is_written_back():
+    def bump(x, y):
+        x.mul_(2)
+        return x + y
+
+    plan = _plan(bump, torch.randn(3), torch.randn(3))
+    copies = plan.copy_steps()
+    assert len(copies) == 1 and copies[0].note == "input mutation write-back"
+    assert plan.storages[plan.slots[copies[0].outputs[0]].storage].kind is StorageKind.INPUT
+    x, y = torch.randn(3), torch.randn(3)
+    expected_x, expected = x * 2, x * 2 + y
+    torch.testing.assert_close(df.jit(bump)(x, y), expected)
+    torch.testing.assert_close(x, expected_x)
+
+
+def test_output_that_aliases_an_input_is_copied_out():
+    def reshape(x):
+        return x.view(2, 3), x * 1
+
+    plan = _plan(reshape, torch.randn(6))
+    assert [s.note for s in plan.copy_steps()] == ["output aliases an input or constant"]
+    x = torch.randn(6)
+    view, _ = df.jit(reshape)(x)
+    torch.testing.assert_close(view, x.view(2, 3))
+    assert view.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_plan_prints_steps_buffers_and_totals():
+    fn, params = df.pure(MLP())
+    text = str(_plan(fn, params, torch.randn(8, 32)))
+    assert "# Plan MLP on cpu  passes: trace -> lower" in text
+    assert "aten.addmm.out(layers_0_bias, x, t)  -> arena@0" in text
+    # A hidden activation is 8 x 64 float32 = 2 KiB; a linear's output and its GELU are live together.
+    assert "arena: 4.0 KiB" in text and "arena buffers:" in text
+    assert "allocates: 0 steps" in text and "copies: 0 steps" in text
