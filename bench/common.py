@@ -47,7 +47,7 @@ def time_cuda(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: 
 
 
 def time_host(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:
-    """Milliseconds per call on the host clock, synchronizing CUDA (if any) before reading it."""
+    """Host milliseconds to issue one call: the clock stops before waiting for the device to finish."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
@@ -57,8 +57,8 @@ def time_host(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: 
         start = time.perf_counter()
         for _ in range(inner):
             fn()
-        sync()
         samples.append((time.perf_counter() - start) * 1e3 / inner)
+        sync()
     return quantiles(samples)
 
 

@@ -6,17 +6,20 @@
     print(fast.lower(params, x))       # the Plan: streams, steps, events, buffers
 """
 
+from . import transforms
 from .errors import DynaflowError, InputError, ScheduleError, TraceError, TransformError, VerificationError
 from .jit import CacheInfo, Jitted, jit
 from .lower import lower
 from .plan import Plan
-from .program import Program
+from .program import Program, Stream
 from .pure import pure
 from .regions import region
 from .trace import trace
+from .transforms.schedule import Scheduler
 from .verify import verify
 
 __all__ = [
-    "CacheInfo", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "TraceError",
-    "TransformError", "VerificationError", "jit", "lower", "pure", "region", "trace", "verify",
+    "CacheInfo", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",
+    "TraceError", "TransformError", "VerificationError", "jit", "lower", "pure", "region", "trace", "transforms",
+    "verify",
 ]

@@ -48,17 +48,19 @@ def _leaf_key(leaf: Any) -> tuple:
 class _Entry:
     """One cache entry: the plan for a signature and the executable that runs it."""
 
-    def __init__(self, jitted: "Jitted", plan: Plan, tensor_positions: tuple[int, ...], donated: frozenset[int]):
+    def __init__(self, jitted: "Jitted", plan: Plan, tensor_positions: tuple[int, ...], donated: frozenset[int],
+                 persistent: frozenset[int]):
         self.jitted = jitted
         self.plan = plan
         self.tensor_positions = tensor_positions
         self.donated = donated
+        self.in_place = donated | persistent
         self.backend = jitted.resolve_backend(plan.device)
         self.executable: Any = None
 
     def _build(self, tensors: Sequence[torch.Tensor]) -> None:
         if self.backend == "cudagraph":
-            adopt = [isinstance(t, torch.nn.Parameter) or i in self.donated for i, t in enumerate(tensors)]
+            adopt = [isinstance(t, torch.nn.Parameter) or i in self.in_place for i, t in enumerate(tensors)]
             self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
                                                   self.jitted.static_outputs)
             self.jitted.captures += 1
@@ -81,12 +83,14 @@ class _Entry:
 class Jitted:
     """A function compiled per input signature into a static Plan and run by a backend."""
 
-    def __init__(self, fn: Callable[..., Any], backend: str, donate_argnums: Sequence[int], static_outputs: bool):
+    def __init__(self, fn: Callable[..., Any], backend: str, donate_argnums: Sequence[int],
+                 persistent_argnums: Sequence[int], static_outputs: bool):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.fn = fn
         self.backend = backend
         self.donate_argnums = tuple(donate_argnums)
+        self.persistent_argnums = tuple(persistent_argnums)
         self.static_outputs = static_outputs
         self._cache: dict[Any, _Entry] = {}
         self.hits = self.misses = self.captures = 0
@@ -133,27 +137,31 @@ class Jitted:
 
     # --- compilation -----------------------------------------------------------------------------
 
-    def _plan(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple[int, ...], frozenset[int]]:
+    def _plan(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple[int, ...], frozenset[int], frozenset[int]]:
         paths, leaves, _ = tree.flatten((args, kwargs))
         arg_names = tree.argument_names(self.fn, len(args))
         kinds = tree.classify_leaves(paths, leaves, arg_names)
-        for index in self.donate_argnums:
-            if not 0 <= index < len(args):
-                raise InputError(f"donate_argnums names argument {index}, but the call passes {len(args)} "
-                                 f"positional arguments")
-        donated = frozenset(k for k, i in enumerate(kinds.tensor_positions)
-                            if paths[i] and paths[i][0] == 0 and paths[i][1] in self.donate_argnums)
+
+        def tensors_of(argnums: Sequence[int], option: str) -> frozenset[int]:
+            for index in argnums:
+                if not 0 <= index < len(args):
+                    raise InputError(f"{option} names argument {index}, but the call passes {len(args)} "
+                                     f"positional arguments")
+            return frozenset(k for k, i in enumerate(kinds.tensor_positions)
+                             if paths[i] and paths[i][0] == 0 and paths[i][1] in argnums)
+
+        donated = tensors_of(self.donate_argnums, "donate_argnums")
+        persistent = tensors_of(self.persistent_argnums, "persistent_argnums")
         program = trace(self.fn, *args, **kwargs)
         donation = _match_donations(program, donated, [tree.path_to_str(paths[i], arg_names)
                                                        for i in kinds.tensor_positions])
         plan = lower(program, donate=donation)
         if len(plan.streams) > 1:
             verify(plan)
-        return plan, kinds.tensor_positions, donated
+        return plan, kinds.tensor_positions, donated, persistent
 
     def _compile(self, args: tuple, kwargs: dict, key: Any) -> _Entry:
-        plan, tensor_positions, donated = self._plan(args, kwargs)
-        entry = _Entry(self, plan, tensor_positions, donated)
+        entry = _Entry(self, *self._plan(args, kwargs))
         self.misses += 1
         if key is not None:
             if len(self._cache) >= RETRACE_WARNING_ENTRIES:
@@ -213,12 +221,16 @@ def _leaf_text(leaf_key: tuple) -> str:
 
 
 def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_argnums: Sequence[int] = (),
-        static_outputs: bool = False) -> Any:
+        persistent_argnums: Sequence[int] = (), static_outputs: bool = False) -> Any:
     """Compile `fn` into a static Plan per input signature and run it with a backend.
 
     backend: "auto" (a CUDA graph on CUDA, the eager interpreter elsewhere), "cudagraph" or "eager".
     donate_argnums: positional arguments whose tensors the function may overwrite: each output with the
         shape, strides and dtype of a donated tensor is written into it in place and returned as it.
+    persistent_argnums: positional arguments that persist across calls (parameter dicts with buffers,
+        KV caches): the CUDA graph reads them at their own address instead of copying them in. Pass the
+        same tensors every call; a different tensor there captures the graph again. `nn.Parameter`s
+        and donated arguments are always read in place.
     static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph backend):
         faster, but the next call overwrites them.
 
@@ -227,5 +239,6 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
     >>> print(fast.lower(params, x)) # the Plan
     """
     if fn is None:
-        return functools.partial(jit, backend=backend, donate_argnums=donate_argnums, static_outputs=static_outputs)
-    return Jitted(fn, backend, donate_argnums, static_outputs)
+        return functools.partial(jit, backend=backend, donate_argnums=donate_argnums,
+                                 persistent_argnums=persistent_argnums, static_outputs=static_outputs)
+    return Jitted(fn, backend, donate_argnums, persistent_argnums, static_outputs)

@@ -114,8 +114,7 @@ class _Lowering:
         output_slots = self._lower_outputs()
         self._elide_concatenations()
         steps = [s for s in self.steps if not s.removed]
-        multi_stream = len({s.stream for s in steps}) > 1
-        if multi_stream:
+        if any(s.stream != 0 for s in steps):
             steps = self._add_fork_and_join(steps)
         self._add_events(steps)
         final_steps = tuple(self._finish_step(i, s) for i, s in enumerate(steps))
@@ -192,7 +191,7 @@ class _Lowering:
         for user in node.users:
             if user.target is operator.getitem and user.args[1] == index:
                 return user.name
-        return f"{node.name}_{index}"
+        return f"{node.name}[{index}]"
 
     def _bind_placeholders_and_constants(self) -> None:
         for index, node in enumerate(self.program.placeholders()):
@@ -243,8 +242,8 @@ class _Lowering:
                                           result_indices=result_indices))
             return
         variant = None if hoist else ops.out_variant(op) if isinstance(op, torch._ops.OpOverload) else None
-        if (variant is not None and len(fresh) == len(values) and all(_is_whole_storage(v) for _, v in fresh)
-                and _out_call_is_faithful(node, variant)):
+        if (variant is not None and variant.direct and len(fresh) == len(values)
+                and all(_is_whole_storage(v) for _, v in fresh) and _out_call_is_faithful(node, variant)):
             outputs = tuple(self._slot_for_value(node, i, v, True, StorageKind.ARENA) for i, v in tensors)
             pos, kw = variant.call_arguments(ops.bind_arguments(op, args, kwargs))
             destination.append(_StepDraft(StepKind.KERNEL, stream, variant.op, tuple(pos), kw, outputs,
@@ -252,7 +251,9 @@ class _Lowering:
             return
         kind = StorageKind.CONSTANT if hoist else StorageKind.DYNAMIC
         outputs = tuple(self._slot_for_value(node, i, v, False, kind) for i, v in tensors)
-        note = "" if hoist else ("no out= overload" if variant is None else "out= overload does not fit")
+        note = "" if hoist else ("no out= overload" if variant is None else
+                                 "its out= overload would allocate and copy" if not variant.direct else
+                                 "out= overload does not fit")
         destination.append(_StepDraft(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,
                                       result_indices=result_indices))
 
@@ -339,62 +340,43 @@ class _Lowering:
     # --- streams and events ----------------------------------------------------------------------
 
     def _add_fork_and_join(self, steps: list[_StepDraft]) -> list[_StepDraft]:
-        fork = _StepDraft(StepKind.FORK, 0, records=[self._new_event()])
-        join = _StepDraft(StepKind.JOIN, 0)
-        first_on: dict[int, _StepDraft] = {}
-        last_on: dict[int, _StepDraft] = {}
-        for step in steps:
-            first_on.setdefault(step.stream, step)
-            last_on[step.stream] = step
-        for stream, step in sorted(first_on.items()):
-            if stream != 0:
-                step.waits.append(fork.records[0])
-        for stream, step in sorted(last_on.items()):
-            if stream != 0:
-                event = self._new_event()
-                step.records.append(event)
-                join.waits.append(event)
-        return [fork, *steps, join]
+        """Bracket a multi-stream plan: side streams start after a fork and end before a join on s0."""
+        return [_StepDraft(StepKind.FORK, 0), *steps, _StepDraft(StepKind.JOIN, 0)]
 
     def _new_event(self) -> int:
         self.num_events += 1
         return self.num_events - 1
 
     def _add_events(self, steps: list[_StepDraft]) -> None:
-        """Make every cross-stream dependency an event wait, skipping those already implied."""
+        """Make cross-stream dependencies event waits: per step, only those not already implied by its
+        stream's order or by another wait of the same step (a transitive reduction)."""
         num_streams = len(self.program.streams)
         stream_clock = np.zeros((num_streams, num_streams), dtype=np.int64)
         position = np.zeros(len(steps), dtype=np.int64)
+        clock_after: list[np.ndarray] = []
         event_of_step: dict[int, int] = {}
-        event_clock: dict[int, np.ndarray] = {}
         deps = self._dependencies(steps)
-        record_after: dict[int, list[int]] = defaultdict(list)
         for i, step in enumerate(steps):
             clock = stream_clock[step.stream].copy()
-            for event in step.waits:
-                np.maximum(clock, event_clock[event], out=clock)
-            for dep in sorted(deps[i], key=lambda d: -position[d]):
-                producer = steps[dep]
-                if producer.stream == step.stream or clock[producer.stream] >= position[dep]:
-                    continue
+            pending = [d for d in deps[i]
+                       if steps[d].stream != step.stream and clock[steps[d].stream] < position[d]]
+            needed = [a for a in pending
+                      if not any(b != a and clock_after[b][steps[a].stream] >= position[a] for b in pending)]
+            for dep in sorted(needed):
                 if dep not in event_of_step:
-                    event = self._new_event()
-                    event_of_step[dep] = event
-                    producer.records.append(event)
-                    event_clock[event] = record_after[dep]
-                event = event_of_step[dep]
-                step.waits.append(event)
-                np.maximum(clock, event_clock[event], out=clock)
+                    event_of_step[dep] = self._new_event()
+                    steps[dep].records.append(event_of_step[dep])
+                step.waits.append(event_of_step[dep])
+                np.maximum(clock, clock_after[dep], out=clock)
             clock[step.stream] += 1
             stream_clock[step.stream] = clock
             position[i] = clock[step.stream]
-            for event in step.records:
-                event_clock[event] = clock.copy()
-            record_after[i] = clock.copy()
+            clock_after.append(clock.copy())
 
     def _dependencies(self, steps: list[_StepDraft]) -> list[set[int]]:
         """For each step, the earlier steps it must run after: writers of what it reads (through views),
-        and readers and writers of what it overwrites."""
+        readers and writers of what it overwrites; and the fork before each side stream's first step,
+        every side-stream step before the join."""
         writers: dict[int, list[tuple[int, tuple[int, int]]]] = defaultdict(list)
         readers: dict[int, list[tuple[int, tuple[int, int]]]] = defaultdict(list)
         deps: list[set[int]] = []
@@ -410,6 +392,15 @@ class _Lowering:
                     mine.update(j for j, other in writers[storage] + readers[storage] if _overlap(span, other) and j != i)
                     writers[storage].append((i, span))
             deps.append(mine)
+        if steps and steps[0].kind is StepKind.FORK:
+            first_on: dict[int, int] = {}
+            for i, step in enumerate(steps):
+                first_on.setdefault(step.stream, i)
+                if step.stream != 0:
+                    deps[-1].add(i)
+            for stream, i in first_on.items():
+                if stream != 0:
+                    deps[i].add(0)
         return deps
 
     def _memory_span(self, slot_index: int) -> tuple[int, tuple[int, int]]:

@@ -2,7 +2,9 @@
 
 Lowering writes every kernel's result into a planned buffer. For an op such as `aten.addmm.default`
 the same packet holds `aten.addmm.out`, whose schema is the functional one plus keyword-only `out`
-tensors. Factory and conversion ops (`arange`, `_to_copy`) drop their dtype/device options in the
+tensors. Some `out=` overloads are generated wrappers that run the functional op and copy its result
+into `out` (`native_layer_norm.out`, `embedding.out`): those would add a copy kernel, so lowering lets
+such ops allocate instead. Factory and conversion ops (`arange`, `_to_copy`) drop their dtype/device options in the
 `out=` form, because the `out` tensor carries them. Ops with no such overload still run, allocating
 their result; the Plan lists them.
 """
@@ -26,6 +28,7 @@ class OutVariant:
     positional: tuple[str, ...]
     keyword: tuple[str, ...]
     out_names: tuple[str, ...]
+    direct: bool    # False when the overload is generated as "call the functional op, copy into out"
 
     def call_arguments(self, bound: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Positional and keyword arguments for `op`, from the functional call's bound arguments."""
@@ -67,6 +70,7 @@ def out_variant(op: torch._ops.OpOverload) -> OutVariant | None:
             positional=tuple(a.name for a in inputs if not a.kwarg_only),
             keyword=tuple(a.name for a in inputs if a.kwarg_only),
             out_names=tuple(a.name for a in outs),
+            direct=not torch._C._dispatch_has_kernel_for_dispatch_key(candidate.name(), "CompositeExplicitAutograd"),
         )
     return None
 

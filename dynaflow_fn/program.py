@@ -169,17 +169,15 @@ class Program:
 
     # --- functional updates -------------------------------------------------------------------
 
-    def annotate(self, update: Callable[[fx.Node, NodeInfo], NodeInfo], provenance: str,
-                 **changes: Any) -> "Program":
+    def annotate(self, update: Callable[[fx.Node, NodeInfo], NodeInfo], **changes: Any) -> "Program":
         """A new Program whose nodes carry `update(node, info)`; this one is left untouched."""
-        program = self.with_graph(copy_graph_module(self.graph_module)[0], provenance, **changes)
+        program = self.with_graph(copy_graph_module(self.graph_module)[0], **changes)
         for node in program.graph.nodes:
             node.meta["df"] = update(node, info(node))
         return program
 
-    def with_graph(self, graph_module: fx.GraphModule, provenance: str, **changes: Any) -> "Program":
-        return dataclasses.replace(self, graph_module=graph_module,
-                                   provenance=self.provenance + (provenance,), **changes)
+    def with_graph(self, graph_module: fx.GraphModule, **changes: Any) -> "Program":
+        return dataclasses.replace(self, graph_module=graph_module, **changes)
 
     # --- printing ------------------------------------------------------------------------------
 
@@ -270,7 +268,8 @@ def format_program(program: Program) -> str:
         signature = "\n" + "".join(f"    {p},\n" for p in parameters)
     header = [f"# Program {program.name}  passes: {' -> '.join(program.provenance) or '(none)'}"]
     if len(program.streams) > 1:
-        header.append("# streams: " + ", ".join(f"s{s.index}={s.name}(priority {s.priority})" for s in program.streams))
+        header.append("# streams: " + ", ".join(f"s{s.index}={s.name}" + (f"(priority {s.priority})" if s.priority else "")
+                                              for s in program.streams))
     statics = [spec for spec in program.inputs if not spec.is_tensor]
     if statics:
         header.append("# static: " + ", ".join(f"{s.path}={s.static_value!r}" for s in statics))

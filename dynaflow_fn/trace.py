@@ -30,32 +30,20 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from . import tree
 from .errors import InputError, TraceError
 from .program import InputSpec, NodeInfo, OutputSpec, Program
+from .tree import TensorSpec
 from .regions import ScopeRecorder, recording
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """The abstract value of a tensor argument: everything tracing needs, no data."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorSpec":
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
-
-    def fake(self, mode: FakeTensorMode) -> torch.Tensor:
-        with mode:
-            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-
-
-@dataclass(frozen=True)
 class TraceSource:
-    """What a Program was traced from, so a transform that changes the trace can trace again."""
+    """What a Program was traced from, so a transform that changes the trace (microbatch) can trace again.
+
+    `body` is the function that ran (the user's function, possibly wrapped by body-rewriting
+    transforms); `fn` supplies names. Tensors in args/kwargs are kept as TensorSpecs, not data.
+    """
 
     fn: Callable[..., Any]
+    body: Callable[..., Any]
     args: tuple
     kwargs: dict
 
@@ -77,21 +65,23 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Program:
 
 
 def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
-                   body: Callable[..., Any] | None = None, name: str | None = None) -> Program:
+                   body: Callable[..., Any] | None = None, provenance: Sequence[str] = ()) -> Program:
     """Trace `body` (default: `fn`) on the abstract values of (args, kwargs).
 
     `fn` supplies names (argument names, the module for qualified module names); `body` is what runs.
-    Transforms that rewrite the function itself (microbatch) pass the rewritten body here.
+    Transforms that rewrite the function itself (microbatch) pass the rewritten body here, and the
+    lines to add to the provenance after "trace".
     """
     body = fn if body is None else body
     arg_names = tree.argument_names(fn, len(args))
     paths, leaves, in_tree = tree.flatten((args, kwargs))
     kinds = tree.classify_leaves(paths, leaves, arg_names)
     path_strs = [tree.path_to_str(p, arg_names) for p in paths]
-    _check_one_device(leaves, kinds, path_strs)
+    specs = {i: TensorSpec.of(leaves[i]) for i in kinds.tensor_positions}
+    _check_one_device(specs, path_strs)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [TensorSpec.of(leaves[i]).fake(fake_mode) for i in kinds.tensor_positions]
+    fakes = [specs[i].fake(fake_mode) for i in kinds.tensor_positions]
     static_leaves = {i: leaves[i] for i in kinds.static_positions}
     module = getattr(fn, "__dynaflow_module__", None)
     module_names = {id(m): n for n, m in reversed(list(module.named_modules(remove_duplicate=False)))} \
@@ -103,8 +93,6 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         full = list(leaves)
         for position, tensor in zip(kinds.tensor_positions, tensors):
             full[position] = tensor
-        for position, value in static_leaves.items():
-            full[position] = value
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
         captured["recorder"] = recorder
@@ -120,34 +108,34 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     out_paths, out_leaves, out_tree = captured["out"]
     outputs = _output_specs(out_paths, out_leaves)
     input_names = [tree.identifier(path_strs[i]) for i in kinds.tensor_positions]
-    graph_module, node_map = _rebuild(traced, input_names, captured["recorder"].finish())
+    graph_module = _rebuild(traced, input_names, captured["recorder"].finish())
     placeholder_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
     tensor_names = dict(zip(kinds.tensor_positions, placeholder_names))
     inputs = tuple(InputSpec(path_strs[i], tensor_names.get(i), static_leaves.get(i)) for i in range(len(leaves)))
+    abstract_args, abstract_kwargs = optree.tree_unflatten(in_tree, [specs.get(i, leaf) for i, leaf in enumerate(leaves)])
     return Program(
         graph_module=graph_module,
-        name=name or getattr(fn, "__name__", "fn"),
+        name=getattr(fn, "__name__", "fn"),
         inputs=inputs,
         in_tree=in_tree,
         outputs=outputs,
         out_tree=out_tree,
-        provenance=("trace",),
-        source=TraceSource(fn, args, kwargs),
+        provenance=("trace", *provenance),
+        source=TraceSource(fn, body, abstract_args, abstract_kwargs),
     )
 
 
-def _check_one_device(leaves: Sequence[Any], kinds: tree.LeafKinds, path_strs: Sequence[str]) -> None:
+def _check_one_device(specs: dict[int, TensorSpec], path_strs: Sequence[str]) -> None:
     """All tensors must live on one device (0-dim CPU tensors excepted, as in PyTorch)."""
     first: tuple[str, torch.device] | None = None
-    for i in kinds.tensor_positions:
-        leaf = leaves[i]
-        if leaf.device.type == "cpu" and leaf.dim() == 0:
+    for i, spec in specs.items():
+        if spec.device.type == "cpu" and not spec.shape:
             continue
         if first is None:
-            first = (path_strs[i], leaf.device)
-        elif leaf.device != first[1]:
+            first = (path_strs[i], spec.device)
+        elif spec.device != first[1]:
             raise InputError(f"arguments live on different devices: {first[0]} on {first[1]}, {path_strs[i]} on "
-                             f"{leaf.device}. Move them to one device before calling.")
+                             f"{spec.device}. Move them to one device before calling.")
 
 
 def _output_specs(paths: Sequence[tuple], leaves: Sequence[Any]) -> tuple[OutputSpec, ...]:
@@ -166,8 +154,7 @@ def _output_specs(paths: Sequence[tuple], leaves: Sequence[Any]) -> tuple[Output
     return tuple(specs)
 
 
-def _rebuild(traced: fx.GraphModule, input_names: Sequence[str],
-             scopes: dict[fx.Node, tuple]) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+def _rebuild(traced: fx.GraphModule, input_names: Sequence[str], scopes: dict[fx.Node, tuple]) -> fx.GraphModule:
     """Copy the traced graph with readable placeholder names, scope annotations and no dead nodes."""
     _eliminate_dead_code(traced.graph)
     graph = fx.Graph()
@@ -180,7 +167,7 @@ def _rebuild(traced: fx.GraphModule, input_names: Sequence[str],
     graph.output(graph.graph_copy(traced.graph, node_map))
     for old, new in node_map.items():
         new.meta["df"] = NodeInfo(scopes=scopes.get(old, ()))
-    return fx.GraphModule(traced, graph), node_map
+    return fx.GraphModule(traced, graph)
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:

@@ -93,6 +93,27 @@ def is_static_leaf(leaf: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """The abstract value of a tensor: everything tracing needs, no data. Usable in place of a tensor."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: "torch.Tensor | TensorSpec") -> "TensorSpec":
+        if isinstance(tensor, TensorSpec):
+            return tensor
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+    def fake(self, mode: Any) -> torch.Tensor:
+        """A FakeTensor of this spec in the given FakeTensorMode."""
+        with mode:
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
+@dataclass(frozen=True)
 class LeafKinds:
     """Which flat leaves are tensors; the rest are static values."""
 
@@ -104,7 +125,7 @@ def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Se
     """Split leaves into tensors and static values; raise InputError naming any other leaf."""
     tensors, statics = [], []
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, (torch.Tensor, TensorSpec)):
             tensors.append(i)
         elif is_static_leaf(leaf):
             statics.append(i)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from models import MLP, Block, llama_logits, tiny_llama
+from dynaflow_fn import transforms as T
+from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
 
 pytestmark = pytest.mark.cuda
 
@@ -106,3 +107,71 @@ def test_mutated_input_is_written_back_to_the_callers_tensor():
         expected = x + 1
         torch.testing.assert_close(fast(x), expected * 2)
         torch.testing.assert_close(x, expected)
+
+
+def test_persistent_arguments_are_read_in_place():
+    def scale(state, x):
+        return x * state["factor"]
+
+    state = {"factor": torch.full((4,), 2.0, device="cuda")}
+    fast = df.jit(scale, persistent_argnums=(0,))
+    x = torch.ones(4, device="cuda")
+    assert fast(state, x).tolist() == [2.0] * 4
+    state["factor"].fill_(3.0)
+    assert fast(state, x).tolist() == [3.0] * 4
+    assert fast.cache_info().captures == 1
+
+
+def _microbatched(fn, rules, strategy):
+    return df.jit(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=rules), strategy=strategy))
+
+
+@pytest.mark.parametrize("strategy", ["roundrobin", "tbo"])
+@pytest.mark.parametrize("model_name", ["block", "llama"])
+def test_multi_stream_graph_equals_the_sequential_plan_bit_for_bit(strategy, model_name):
+    if model_name == "llama":
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        fn, params = llama_logits(tiny_llama().cuda())
+        rules, make = [T.Module(LlamaAttention)], lambda: torch.randint(0, 128, (4, 12), device="cuda")
+    else:
+        fn, params = df.pure(Block().cuda())
+        rules, make = [T.Region("attn")], lambda: torch.randn(4, 16, 32, device="cuda")
+    sequential, overlapped = _microbatched(fn, rules, "sequential"), _microbatched(fn, rules, strategy)
+    for _ in range(3):
+        x = make()
+        expected = sequential(params, x)
+        torch.testing.assert_close(overlapped(params, x), expected, rtol=0, atol=0)
+        torch.testing.assert_close(expected, fn(params, x))
+    plan = df.verify(overlapped.lower(params, x))
+    assert len({s.stream for s in plan.steps}) == 2 and plan.num_events >= 2
+    assert overlapped.cache_info().captures == 1
+
+
+def test_branches_graph_equals_sequential_bit_for_bit():
+    model = TwoBranch().cuda()
+    fn, params = df.pure(model)
+    rules = [T.Module("^left$"), T.Module("^right$")]
+    sequential = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="sequential"))
+    branches = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="branches"))
+    interpreted = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="branches"), backend="eager")
+    for _ in range(3):
+        x, y = torch.randn(64, 32, device="cuda"), torch.randn(64, 32, device="cuda")
+        expected = sequential(params, x, y)
+        torch.testing.assert_close(branches(params, x, y), expected, rtol=0, atol=0)
+        torch.testing.assert_close(interpreted(params, x, y), expected, rtol=0, atol=0)
+    assert len(df.verify(branches.lower(params, x, y)).streams) == 2
+
+
+def test_multi_stream_replay_allocates_nothing():
+    fn, params = df.pure(Block().cuda())
+    fast = df.jit(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=[T.Region("attn")]),
+                            strategy="tbo"), static_outputs=True)
+    x = torch.randn(4, 16, 32, device="cuda")
+    fast(params, x)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(10):
+        fast(params, x)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

@@ -35,10 +35,11 @@ class CudaGraphExecutable:
                                                                           dtype=tensor.dtype, device=device)
                               for tensor, adopted in zip(inputs, adopt)]
         self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
-        mutated_slots = {step.outputs[0] for step in plan.steps
-                         if step.kind is StepKind.COPY and plan.storages[plan.slots[step.outputs[0]].storage].kind
-                         is StorageKind.INPUT}
-        self.write_back = [i for i, slot in enumerate(plan.input_slots) if slot in mutated_slots and not adopt[i]]
+        written = {step.outputs[0] for step in plan.steps
+                   if step.kind is StepKind.COPY and plan.storages[plan.slots[step.outputs[0]].storage].kind
+                   is StorageKind.INPUT}
+        self.written_inputs = [i for i, slot in enumerate(plan.input_slots) if slot in written]
+        self.write_back = [i for i in self.written_inputs if not adopt[i]]
         self.env = self.bound.new_env(self.static_inputs)
         self.bound.allocate_outputs(self.env)
         input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
@@ -46,13 +47,17 @@ class CudaGraphExecutable:
         self._capture(device, inputs)
 
     def _capture(self, device: torch.device, inputs: Sequence[torch.Tensor]) -> None:
+        """Warm up once outside the graph (lazy library initialization must not be captured), on clones
+        of the inputs the plan writes, so the caller's tensors change only when the call really runs."""
         capture_stream = torch.cuda.Stream(device)
         streams = [capture_stream] + [torch.cuda.Stream(device, priority=s.priority) for s in self.plan.streams[1:]]
         events = [torch.cuda.Event() for _ in range(self.plan.num_events)]
         self._load_inputs(inputs)
+        warm_env = list(self.env)
+        for i in self.written_inputs:
+            warm_env[self.plan.input_slots[i]] = self.static_inputs[i].clone()
         capture_stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(capture_stream):
-            warm_env = list(self.env)
             self.bound.run(warm_env, streams, events)
         torch.cuda.current_stream(device).wait_stream(capture_stream)
         torch.cuda.synchronize(device)

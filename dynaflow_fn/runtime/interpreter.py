@@ -78,6 +78,35 @@ def compile_step(step: Step) -> Callable[[Env], None]:
     return run_multi
 
 
+def _release_schedule(plan: Plan) -> tuple[list[list[int]], list[list[int]]]:
+    """When to drop each run-time tensor (after its last use, so the allocator can reuse its memory), and
+    which reads cross streams from where a run-time allocation was made (they need `record_stream`)."""
+    keep = set(plan.output_slots) | set(plan.input_slots)
+    last_use: dict[int, int] = {}
+    made_by: dict[int, int] = {}
+    for step in plan.steps:
+        for slot in step.outputs:
+            if plan.slots[slot].bound:
+                continue
+            last_use.setdefault(slot, step.index)
+            if step.kind is StepKind.ALLOC:
+                made_by.setdefault(plan.slots[slot].storage, step.stream)
+        for slot in step.reads():
+            if slot in last_use:
+                last_use[slot] = step.index
+    release: list[list[int]] = [[] for _ in plan.steps]
+    for slot, index in last_use.items():
+        if slot not in keep:
+            release[index].append(slot)
+    foreign: list[list[int]] = [[] for _ in plan.steps]
+    for step in plan.steps:
+        for slot in step.reads():
+            origin = made_by.get(plan.slots[slot].storage)
+            if origin is not None and origin != step.stream:
+                foreign[step.index].append(slot)
+    return release, foreign
+
+
 class BoundPlan:
     """A plan with its arena, constants and setup results in place, ready to run many times."""
 
@@ -98,6 +127,7 @@ class BoundPlan:
         self.output_slots = [(slot, plan.storages[slot.storage]) for slot in plan.slots
                              if slot.bound and plan.storages[slot.storage].kind is StorageKind.OUTPUT]
         self.runners = [compile_step(step) for step in plan.steps]
+        self.release_after, self.cross_stream_reads = _release_schedule(plan)
 
     def new_env(self, inputs: Sequence[torch.Tensor]) -> Env:
         env = list(self.template)
@@ -116,18 +146,25 @@ class BoundPlan:
     def run(self, env: Env, streams: Sequence[torch.cuda.Stream] | None = None,
             events: Sequence[torch.cuda.Event] | None = None) -> None:
         """Run every step; with streams, each on its own stream with its event waits and records."""
+        release = self.release_after
         if streams is None:
-            for runner in self.runners:
+            for runner, dead in zip(self.runners, release):
                 runner(env)
+                for slot in dead:
+                    env[slot] = None
             return
-        for step, runner in zip(self.plan.steps, self.runners):
+        for step, runner, dead, foreign in zip(self.plan.steps, self.runners, release, self.cross_stream_reads):
             stream = streams[step.stream]
             for event in step.waits:
                 stream.wait_event(events[event])
+            for slot in foreign:
+                env[slot].record_stream(stream)
             with torch.cuda.stream(stream):
                 runner(env)
             for event in step.records:
                 events[event].record(stream)
+            for slot in dead:
+                env[slot] = None
 
     def outputs(self, env: Env) -> list[Any]:
         return [env[slot] for slot in self.plan.output_slots]

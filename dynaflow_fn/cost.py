@@ -1,0 +1,118 @@
+"""A roofline cost model: FLOPs and bytes per node from shapes alone, and the resource each node uses.
+
+A node is "compute" when its arithmetic intensity (FLOPs per byte moved) is above the device's ridge
+point (peak FLOP/s over memory bandwidth), "memory" below it, "comm" for collectives and "view" for
+ops that move no data. Schedulers pair stages of different kinds, since a GEMM and a decode attention
+use different units of the GPU. The numbers are estimates for ordering decisions, not predictions.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import ops
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Peak rates of a device. The defaults were measured on an H200 (dense bf16 GEMM, device copy)."""
+
+    matmul_flops: dict[torch.dtype, float]
+    vector_flops: float = 60e12
+    bandwidth: float = 4.3e12
+    launch_seconds: float = 2e-6
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        return self.matmul_flops.get(dtype, self.vector_flops)
+
+
+H200 = Roofline(matmul_flops={torch.bfloat16: 790e12, torch.float16: 790e12, torch.float32: 60e12,
+                              torch.float8_e4m3fn: 1580e12})
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+    seconds: float
+    kind: str
+
+    def __add__(self, other: "Cost") -> "Cost":
+        kind = self.kind if self.seconds >= other.seconds else other.kind
+        if "comm" in (self.kind, other.kind):
+            kind = "comm"
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds, kind)
+
+
+ZERO = Cost(0.0, 0.0, 0.0, "view")
+
+_MATMULS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+}
+_ATTENTION_PREFIX = "_scaled_dot_product"
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _matmul_flops(node: fx.Node) -> float:
+    out = node.meta["val"]
+    inputs = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
+    left = inputs[-2] if node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else inputs[0]
+    return 2.0 * out.numel() * left.shape[-1]
+
+
+def _attention_flops(node: fx.Node) -> float:
+    query, key = (a.meta["val"] for a in node.args[:2])
+    *batch, length_q, head_dim = query.shape
+    return 4.0 * math.prod(batch) * length_q * key.shape[-2] * head_dim
+
+
+def _conv_flops(node: fx.Node) -> float:
+    out = node.meta["val"]
+    weight = node.args[1].meta["val"]
+    return 2.0 * out.numel() * math.prod(weight.shape[1:])
+
+
+def node_cost(node: fx.Node, roofline: Roofline = H200) -> Cost:
+    """FLOPs, bytes, estimated seconds and kind of one call_function node."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return ZERO
+    outputs = _tensors(node.meta.get("val"))
+    inputs = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]
+    input_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
+    if outputs and all(StorageWeakRef(t.untyped_storage()) in input_storages for t in outputs):
+        return ZERO
+    moved = float(sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs))
+    if ops.is_collective(node.target):
+        return Cost(0.0, moved, moved / roofline.bandwidth + roofline.launch_seconds, "comm")
+    name = getattr(node.target, "__name__", "")
+    dtype = outputs[0].dtype if outputs else torch.float32
+    if node.target in _MATMULS:
+        flops, rate = _matmul_flops(node), roofline.matmul_rate(dtype)
+    elif name.startswith(_ATTENTION_PREFIX):
+        flops, rate = _attention_flops(node), roofline.matmul_rate(dtype)
+    elif node.target is torch.ops.aten.convolution.default:
+        flops, rate = _conv_flops(node), roofline.matmul_rate(dtype)
+    else:
+        flops, rate = float(sum(t.numel() for t in outputs)), roofline.vector_flops
+    seconds = max(flops / rate, moved / roofline.bandwidth) + roofline.launch_seconds
+    kind = "compute" if flops / max(moved, 1.0) >= rate / roofline.bandwidth else "memory"
+    return Cost(flops, moved, seconds, kind)

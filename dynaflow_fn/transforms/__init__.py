@@ -1,0 +1,18 @@
+"""Transforms: functions (or Programs) in, transformed functions (or Programs) out.
+
+    step = T.microbatch(fn, num=2, in_axes=(None, 0))     # split the batch, merge the outputs
+    step = T.partition(step, rules=[T.Region("attn")])    # cut into stages
+    step = T.overlap(step, strategy="tbo")                # order the stages on streams
+    fast = df.jit(step)
+"""
+
+from .base import Pass, Transformed, compose
+from .microbatch import microbatch
+from .overlap import overlap
+from .partition import Kind, Module, Op, Region, Rule, partition
+from .schedule import TBO, Branches, Issue, RoundRobin, Scheduler, Sequential, Stage, StageGraph
+
+__all__ = [
+    "Branches", "Issue", "Kind", "Module", "Op", "Pass", "Region", "RoundRobin", "Rule", "Scheduler", "Sequential",
+    "Stage", "StageGraph", "TBO", "Transformed", "compose", "microbatch", "overlap", "partition",
+]

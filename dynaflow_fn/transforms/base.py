@@ -1,0 +1,101 @@
+"""How transforms apply to functions and to Programs.
+
+A transform is a `Pass`: `apply(program) -> program`, never mutating its input. Applied to a Python
+function, a transform returns a `Transformed` function that remembers the passes; tracing it traces
+the original function and applies the passes in order. Called eagerly, a `Transformed` function
+computes what the transformed program computes (micro-batches run one after another), so it is also
+the reference that transformed programs are tested against.
+
+A transform called without a function returns itself as a one-argument transform, so transforms
+compose: `T.compose(T.microbatch(num=2, in_axes=(None, 0)), T.overlap(strategy="tbo"))(fn)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+from ..program import Program
+from ..trace import trace_function
+
+
+class Pass:
+    """A Program -> Program rewrite. `describe()` is the provenance line printed with the program."""
+
+    def apply(self, program: Program) -> Program:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def wrap_body(self, body: Callable[..., Any]) -> Callable[..., Any] | None:
+        """Passes that change what gets traced (microbatch) return the new body; the others None."""
+        return None
+
+
+class Transformed:
+    """A function with transforms attached. Calling it runs eagerly; tracing it applies the passes."""
+
+    def __init__(self, fn: Callable[..., Any], passes: Sequence[Pass]):
+        self.fn = fn
+        self.passes = tuple(passes)
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        body = self.fn
+        for p in self.passes:
+            body = p.wrap_body(body) or body
+        return body(*args, **kwargs)
+
+    def __dynaflow_trace__(self, *args: Any, **kwargs: Any) -> Program:
+        """Trace: passes that rewrite the body before the first Program pass are traced directly."""
+        body, leading = self.fn, 0
+        for p in self.passes:
+            wrapped = p.wrap_body(body)
+            if wrapped is None:
+                break
+            body, leading = wrapped, leading + 1
+        program = trace_function(self.fn, args, kwargs, body=body,
+                                 provenance=[p.describe() for p in self.passes[:leading]])
+        for p in self.passes[leading:]:
+            program = p.apply(program)
+        return program
+
+    def __repr__(self) -> str:
+        return f"<transformed {getattr(self.fn, '__name__', 'fn')}: {' -> '.join(p.describe() for p in self.passes)}>"
+
+
+def record(program: Program, new: Program, p: Pass) -> Program:
+    """Stamp a pass's result with its provenance line and remember the pass for re-tracing."""
+    return dataclasses.replace(new, provenance=program.provenance + (p.describe(),), passes=program.passes + (p,))
+
+
+def apply_transform(target: Any, p: Pass) -> Any:
+    """Apply a pass to a Program, a function, or (target None) return it as a one-argument transform."""
+    if target is None:
+        return lambda fn: apply_transform(fn, p)
+    if isinstance(target, Program):
+        return p.apply(target)
+    if isinstance(target, Transformed):
+        return Transformed(target.fn, target.passes + (p,))
+    if callable(target):
+        return Transformed(target, (p,))
+    raise TypeError(f"transforms take a function or a Program, got {type(target).__qualname__}")
+
+
+def compose(*transforms: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Chain transforms left to right: `compose(a, b)(fn) == b(a(fn))`.
+
+    >>> strategy = T.compose(T.microbatch(num=2, in_axes=(None, 0)), T.overlap(strategy="roundrobin"))
+    >>> fast = df.jit(strategy(fn))
+    """
+    for t in transforms:
+        if not callable(t):
+            raise TypeError(f"compose takes transforms (call them without a function first), got {t!r}")
+
+    def composed(target: Any) -> Any:
+        for t in transforms:
+            target = t(target)
+        return target
+    return composed
