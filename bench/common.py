@@ -29,8 +29,8 @@ def quantiles(samples: Sequence[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(ordered), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
 
 
-def time_cuda(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:
-    """Median/p10/p90 milliseconds per call of `fn`, timed with CUDA events over `inner` back-to-back calls."""
+def cuda_samples(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> list[float]:
+    """Milliseconds per call of `fn`, one sample per `inner` back-to-back calls timed with CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -43,7 +43,22 @@ def time_cuda(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: 
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / inner)
-    return quantiles(samples)
+    return samples
+
+
+def time_cuda(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:
+    """Median/p10/p90 milliseconds per call of `fn` (see `cuda_samples`)."""
+    return quantiles(cuda_samples(fn, repeats, inner, warmup))
+
+
+def time_variants(calls: dict[str, Callable[[], Any]], rounds: int = 3, repeats: int = 10,
+                  inner: int = 1) -> dict[str, dict[str, float]]:
+    """`time_cuda` for several variants, interleaved over `rounds` so that drift hits all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples[name] += cuda_samples(call, repeats=repeats, inner=inner, warmup=2)
+    return {name: quantiles(values) for name, values in samples.items()}
 
 
 def time_host(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:

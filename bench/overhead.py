@@ -3,7 +3,9 @@
   eager            plain PyTorch, one Python call per op
   compile-ro       torch.compile(mode="reduce-overhead") (CUDA graphs through cudagraph trees)
   hand-graph       a torch.cuda.graph captured by hand: copy input, replay, clone output
-  df.jit           dynaflow_fn.jit with the default cudagraph backend
+  df.jit           dynaflow_fn.jit with the default cudagraph backend, called as fast(params, x)
+  df.jit-closure   the same with the parameters closed over, called as fast(x): no pytree of
+                   parameters to flatten and check on each call
 
 Reports the median time per call over back-to-back calls (CUDA events), the host time per call, and
 ratios against eager and the hand-captured graph. Also reports how long dynaflow_fn takes to trace and
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 import dynaflow_fn as df
-from bench.common import print_table, time_cuda, time_host, write_results
+from bench.common import print_table, time_host, time_variants, write_results
 
 WIDTH, LAYERS = 512, 16
 
@@ -115,17 +117,20 @@ def launch_bound_rows() -> list[dict]:
                 return call()
         return run
 
+    closed = df.jit(lambda x: fn(params, x))
+    torch.testing.assert_close(closed(x), reference)
     variants = {
         "eager": no_grad(lambda: model(x)),
         "compile-ro": no_grad(lambda: compiled(x)),
         "hand-graph": lambda: graph_call(x),
         "df.jit": lambda: fast(params, x),
+        "df.jit-closure": lambda: closed(x),
     }
+    timings = time_variants(variants, rounds=3, repeats=10, inner=100)
     rows = []
     for name, call in variants.items():
-        gpu = time_cuda(call, repeats=30, inner=100)
-        host = time_host(call, repeats=30, inner=100)
-        rows.append({"case": f"{LAYERS} layers x {WIDTH}, batch 1", "variant": name, **gpu,
+        host = time_host(call, repeats=10, inner=100)
+        rows.append({"case": f"{LAYERS} layers x {WIDTH}, batch 1", "variant": name, **timings[name],
                      "host_us_per_call": host["median_ms"] * 1e3})
     by = {r["variant"]: r for r in rows}
     for row in rows:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
-from bench.common import peak_memory_mb, print_table, time_cuda, write_results
+from bench.common import peak_memory_mb, print_table, time_variants, write_results
 from bench.llama_layers import DTYPE, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, decoder_stack, make_layer
 from dynaflow_fn import transforms as T
 
@@ -49,12 +49,20 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # --- prefill attention || decode attention ---------------------------------------------------------
 
+def prefill_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def cache_attention(q_decode, k_cache, v_cache):
+    scores = torch.matmul(q_decode, k_cache.transpose(-1, -2)) * HEAD_DIM ** -0.5
+    return torch.matmul(torch.softmax(scores.float(), -1).to(DTYPE), v_cache)
+
+
 def pod(q, k, v, q_decode, k_cache, v_cache):
     with df.region("prefill"):
-        prefill = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        prefill = prefill_attention(q, k, v)
     with df.region("decode"):
-        scores = torch.matmul(q_decode, k_cache.transpose(-1, -2)) * HEAD_DIM ** -0.5
-        decode = torch.matmul(torch.softmax(scores.float(), -1).to(DTYPE), v_cache)
+        decode = cache_attention(q_decode, k_cache, v_cache)
     return prefill, decode
 
 
@@ -67,8 +75,8 @@ def pod_rows() -> list[dict]:
                 r(1, Q_HEADS, prefill_tokens, HEAD_DIM), r(decode_batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM),
                 r(decode_batch, KV_HEADS, context, HEAD_DIM), r(decode_batch, KV_HEADS, context, HEAD_DIM))
         reference = pod(*args)
-        first = lambda: pod(*args)[0]
-        second = lambda: pod(*args)[1]
+        first = lambda: prefill_attention(*args[:3])
+        second = lambda: cache_attention(*args[3:])
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def two_streams():
@@ -92,10 +100,12 @@ def pod_rows() -> list[dict]:
             "prefill-alone": lambda: hand_graph(first),
             "decode-alone": lambda: hand_graph(second),
         }
-        rows += _measure(case, variants, reference)
-        alone = [r["median_ms"] for r in rows[-2:]]
-        for row in rows[-len(variants):]:
-            row["ideal_speedup"] = (alone[0] + alone[1]) / max(alone)
+        measured = _measure(case, variants, reference)
+        alone = {r["variant"]: r["median_ms"] for r in measured}
+        for row in measured:
+            row["ideal_speedup"] = (alone["prefill-alone"] + alone["decode-alone"]) / max(
+                alone["prefill-alone"], alone["decode-alone"])
+        rows += measured
         del args
         torch.cuda.empty_cache()
     return rows
@@ -109,20 +119,22 @@ def _df(fn, args, persistent=None):
 
 
 def _measure(case: str, variants: dict, reference) -> list[dict]:
-    rows = []
+    """Build every variant (recording its peak memory and error), then time them interleaved."""
+    rows, calls = [], {}
     for name, build in variants.items():
         holder = {}
         memory = peak_memory_mb(lambda: holder.setdefault("built", build()))
-        call, out = holder["built"]
-        timing = time_cuda(call)
-        row = {"case": case, "variant": name, **timing, "peak_mem_mb": memory}
+        calls[name], out = holder["built"]
+        row = {"case": case, "variant": name, "peak_mem_mb": memory}
         if isinstance(out, (tuple, list)) and isinstance(reference, (tuple, list)) and len(out) == len(reference):
             row["rel_err"] = max(relative_error(a, b) for a, b in zip(out, reference))
         elif isinstance(out, torch.Tensor) and isinstance(reference, torch.Tensor):
             row["rel_err"] = relative_error(out, reference)
         rows.append(row)
-        del holder
-    base = next(r for r in rows if r["variant"] == "baseline")["median_ms"]
+    timings = time_variants(calls)
+    for row in rows:
+        row.update(timings[row["variant"]])
+    base = timings["baseline"]["median_ms"]
     for row in rows:
         row["speedup_vs_baseline"] = base / row["median_ms"]
     return rows

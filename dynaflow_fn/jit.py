@@ -39,10 +39,10 @@ class CacheInfo:
     entries: int
 
 
-def _leaf_key(leaf: Any) -> tuple:
-    if isinstance(leaf, torch.Tensor):
-        return (leaf.shape, leaf.stride(), leaf.dtype, leaf.device)
-    return (type(leaf), leaf)
+def _signature(leaves: Sequence[Any]) -> tuple:
+    """Per leaf: a tensor's shape, strides, dtype and device, or a static leaf's type and value."""
+    return tuple([(leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
+                  else (type(leaf), leaf) for leaf in leaves])
 
 
 class _Entry:
@@ -67,7 +67,6 @@ class _Entry:
         else:
             self.executable = EagerExecutable(self.plan, self.plan.device)
 
-    @torch.no_grad()
     def __call__(self, leaves: Sequence[Any]) -> Any:
         tensors = [leaves[i] for i in self.tensor_positions]
         if self.executable is None:
@@ -101,7 +100,7 @@ class Jitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef = optree.tree_flatten((args, kwargs))
         try:
-            key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
+            key = (treedef, _signature(leaves))
             entry = self._cache.get(key)
         except TypeError:
             key, entry = None, None
@@ -118,7 +117,7 @@ class Jitted:
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
         """The Plan that a call with these arguments runs (built, not run, if not cached yet)."""
         leaves, treedef = optree.tree_flatten((args, kwargs))
-        entry = self._cache.get((treedef, tuple(_leaf_key(leaf) for leaf in leaves)))
+        entry = self._cache.get((treedef, _signature(leaves)))
         return entry.plan if entry is not None else self._plan(args, kwargs)[0]
 
     def cache_info(self) -> CacheInfo:

@@ -233,6 +233,9 @@ class _Lowering:
 
         tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         fresh = [(i, v) for i, v in tensors if _storage_key(v) not in self.storage_of_key]
+        if fresh and ops.is_view(op):
+            self._alias_to_base(node, fresh)
+            fresh = []
         result_indices = tuple(i for i, _ in tensors) if isinstance(node.meta.get("val"), (list, tuple)) else ()
         if hoist:
             self.hoisted.add(node)
@@ -256,6 +259,14 @@ class _Lowering:
                                  "out= overload does not fit")
         destination.append(_StepDraft(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,
                                       result_indices=result_indices))
+
+    def _alias_to_base(self, node: fx.Node, values: list[tuple[int, torch.Tensor]]) -> None:
+        """A view whose fake result got a storage of its own (make_fx gives a program constant's node and
+        its uses different fake tensors) still aliases its base: record that."""
+        base = next(a for a in node.args if isinstance(a, fx.Node))
+        storage = self.slots[self.slot_of[(base, 0)]].storage
+        for _, value in values:
+            self.storage_of_key[_storage_key(value)] = storage
 
     def _can_hoist(self, node: fx.Node) -> bool:
         """Deterministic work that reads only constants runs once, at bind time."""

@@ -83,6 +83,13 @@ def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[
     return bound
 
 
+def is_view(op: Any) -> bool:
+    """Whether the schema says every result aliases an input without writing it (view, t, expand...)."""
+    if not isinstance(op, torch._ops.OpOverload) or not op._schema.returns:
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
 def is_random(op: Any) -> bool:
     """Whether an op draws random numbers (its result must not be computed once and reused)."""
     return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags

@@ -57,20 +57,20 @@ class CudaGraphExecutable:
         for i in self.written_inputs:
             warm_env[self.plan.input_slots[i]] = self.static_inputs[i].clone()
         capture_stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(capture_stream):
+        with torch.cuda.stream(capture_stream), torch.no_grad():
             self.bound.run(warm_env, streams, events)
         torch.cuda.current_stream(device).wait_stream(capture_stream)
         torch.cuda.synchronize(device)
         self._load_inputs(inputs)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=capture_stream):
+        with torch.cuda.graph(self.graph, stream=capture_stream), torch.no_grad():
             self.bound.run(self.env, streams, events)
         self._keep_alive = (streams, events)
 
     def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         for i in self.copied:
             if inputs[i] is not self.static_inputs[i]:
-                self.static_inputs[i].copy_(inputs[i])
+                self.static_inputs[i].copy_(inputs[i].detach())
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
         for i, adopted in enumerate(self.adopt):
@@ -78,8 +78,10 @@ class CudaGraphExecutable:
                 raise AdoptedInputMoved(i)
         self._load_inputs(inputs)
         self.graph.replay()
-        for i in self.write_back:
-            inputs[i].copy_(self.static_inputs[i])
+        if self.write_back:
+            with torch.no_grad():
+                for i in self.write_back:
+                    inputs[i].copy_(self.static_inputs[i])
         outputs = self.bound.outputs(self.env)
         if self.static_outputs:
             return outputs

@@ -22,6 +22,7 @@ class EagerExecutable:
             self.streams = [None] + [torch.cuda.Stream(device, priority=s.priority) for s in plan.streams[1:]]
             self.events = [torch.cuda.Event() for _ in range(plan.num_events)]
 
+    @torch.no_grad()
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
         env = self.bound.new_env(inputs)
         self.bound.allocate_outputs(env)
