@@ -12,8 +12,9 @@ decode  4 decoder layers at decode batch 64-512 (KV context 2048), micro-batched
           df.mb2-seq   2 micro-batches, one stream (what splitting alone costs)
           df.rr2/tbo2  2 micro-batches overlapped with roundrobin / two-batch overlap
 
-Prints medians of 30 replays (CUDA events) and ratios against the baseline; writes
-bench/results/single_gpu.json.   python -m bench.single_gpu
+Each sample times 10 back-to-back calls with CUDA events (steady state, so host work per call overlaps
+the GPU as in a serving loop); 30 samples per variant, interleaved. Prints medians and ratios against
+the baseline; writes bench/results/single_gpu.json.   python -m bench.single_gpu
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _measure(case: str, variants: dict, reference) -> list[dict]:
         elif isinstance(out, torch.Tensor) and isinstance(reference, torch.Tensor):
             row["rel_err"] = relative_error(out, reference)
         rows.append(row)
-    timings = time_variants(calls)
+    timings = time_variants(calls, rounds=3, repeats=10, inner=10)
     for row in rows:
         row.update(timings[row["variant"]])
     base = timings["baseline"]["median_ms"]

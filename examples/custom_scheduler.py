@@ -18,19 +18,13 @@ class KindPairing(df.Scheduler):
     """Alternate micro-batches and resource kinds; micro-batch i runs on stream i."""
 
     def streams(self, graph):
-        return [df.Stream(i, "main" if i == 0 else f"mb{i}") for i in range(max(1, len(graph.micro_batches)))]
+        return [df.Stream(i, f"mb{i}") for i in range(len(graph.micro_batches))]
 
     def pick(self, ready, graph, issued):
         last = graph.stages[issued[-1].stage] if issued else None
-
-        def preference(stage):
-            other_mb = last is None or stage.mb != last.mb
-            other_kind = last is None or stage.kind != last.kind
-            return (not other_mb, not other_kind, stage.index)
-
-        stage = min(ready, key=preference)
-        stream = graph.micro_batches.index(stage.mb) if stage.mb is not None else 0
-        return stage, stream
+        stage = min(ready, key=lambda s: (last is not None and s.mb == last.mb,
+                                          last is not None and s.kind == last.kind, s.index))
+        return stage, graph.micro_batches.index(stage.mb) if stage.mb is not None else 0
 
 
 def main():
