@@ -175,3 +175,11 @@ def test_multi_stream_replay_allocates_nothing():
         fast(params, x)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_moving_an_input_to_another_device_traces_again():
+    fast = df.jit(lambda x: x * 2)
+    cpu, gpu = torch.randn(3), torch.randn(3, device="cuda")
+    torch.testing.assert_close(fast(cpu), cpu * 2)
+    torch.testing.assert_close(fast(gpu), gpu * 2)
+    assert fast.cache_info().misses == 2 and fast.cache_info().captures == 1

@@ -11,7 +11,7 @@ from dynaflow_fn.plan import StepKind
 from dynaflow_fn.program import info
 from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
 
-STRATEGIES = ["sequential", "roundrobin", "tbo"]
+STRATEGIES = ["sequential", "roundrobin", "tbo", "branches"]
 
 
 def _model(name):
@@ -21,32 +21,37 @@ def _model(name):
     if name == "block":
         fn, params = df.pure(Block())
         return fn, params, lambda: torch.randn(4, 8, 32), [T.Region("attn")]
+    if name == "two-branch":
+        fn, params = df.pure(TwoBranch())
+        return fn, params, lambda: (torch.randn(6, 32), torch.randn(6, 32)), [T.Module("^left$"), T.Module("^right$")]
     model = tiny_llama()
     fn, params = llama_logits(model)
     from transformers.models.llama.modeling_llama import LlamaAttention
     return fn, params, lambda: torch.randint(0, 128, (4, 10)), [T.Module(LlamaAttention)]
 
 
-def _strategy(fn, rules, strategy, num=2):
-    step = T.microbatch(fn, num=num, in_axes=(None, 0))
+def _strategy(fn, rules, strategy, num=2, inputs=1):
+    step = T.microbatch(fn, num=num, in_axes=(None,) + (0,) * inputs)
     return T.overlap(T.partition(step, rules=rules), strategy=strategy)
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "block", "llama"])
+@pytest.mark.parametrize("model_name", ["mlp", "block", "llama", "two-branch"])
 def test_every_strategy_equals_eager_and_the_sequential_microbatched_program(model_name):
     fn, params, make, rules = _model(model_name)
-    sequential = df.jit(_strategy(fn, rules, "sequential"))
-    strategies = {s: df.jit(_strategy(fn, rules, s)) for s in STRATEGIES[1:]}
+    inputs = 2 if model_name == "two-branch" else 1
+    sequential = df.jit(_strategy(fn, rules, "sequential", inputs=inputs))
+    strategies = {s: df.jit(_strategy(fn, rules, s, inputs=inputs)) for s in STRATEGIES[1:]}
     for _ in range(2):
         x = make()
-        expected = fn(params, x)
-        reference = sequential(params, x)
+        x = x if isinstance(x, tuple) else (x,)
+        expected = fn(params, *x)
+        reference = sequential(params, *x)
         torch.testing.assert_close(reference, expected)
         for name, fast in strategies.items():
-            plan = fast.lower(params, x)
+            plan = fast.lower(params, *x)
             assert len({s.stream for s in plan.steps}) >= 2, name
             df.verify(plan)
-            torch.testing.assert_close(fast(params, x), reference, rtol=0, atol=0)
+            torch.testing.assert_close(fast(params, *x), reference, rtol=0, atol=0)
 
 
 def test_branches_runs_independent_subgraphs_on_separate_streams():
