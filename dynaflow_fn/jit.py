@@ -152,8 +152,9 @@ class Jitted:
         donated = tensors_of(self.donate_argnums, "donate_argnums")
         persistent = tensors_of(self.persistent_argnums, "persistent_argnums")
         program = trace(self.fn, *args, **kwargs)
-        donation = _match_donations(program, donated, [tree.path_to_str(paths[i], arg_names)
-                                                       for i in kinds.tensor_positions])
+        donation = _match_donations(program, donated,
+                                    [tree.path_to_str(paths[i], arg_names) for i in kinds.tensor_positions],
+                                    ["".join(f"[{key!r}]" for key in paths[i][1:]) for i in kinds.tensor_positions])
         plan = lower(program, donate=donation)
         if len(plan.streams) > 1:
             verify(plan)
@@ -176,22 +177,35 @@ class Jitted:
             f"scalars as tensors.", stacklevel=3)
 
 
-def _match_donations(program: Program, donated: frozenset[int], input_paths: Sequence[str]) -> dict[int, int]:
-    """Pair each donated tensor input with the first unclaimed output of the same shape, strides and dtype."""
+def _match_donations(program: Program, donated: frozenset[int], input_paths: Sequence[str],
+                     input_positions: Sequence[str]) -> dict[int, int]:
+    """Pair each donated tensor input with an output of the same shape, strides and dtype: the output at
+    the same position (`params, state = step(params, state, ...)` pairs out[0][k] with argument 0's [k]),
+    else the first unclaimed one in order."""
     if not donated:
         return {}
     placeholders = program.placeholders()
     outputs = list(program.output_node().args[0])
+    output_positions = {spec.path[len("out"):]: spec.tensor_index for spec in program.outputs
+                        if spec.tensor_index is not None}
     claimed: dict[int, int] = {}
+
+    def fits(out_index: int | None, wanted: torch.Tensor) -> bool:
+        value = outputs[out_index].meta.get("val") if out_index is not None else None
+        return out_index not in claimed and isinstance(value, torch.Tensor) and (
+            (value.shape, value.stride(), value.dtype) == (wanted.shape, wanted.stride(), wanted.dtype))
+
     for in_index in sorted(donated):
-        wanted = placeholders[in_index].meta["val"]
-        for out_index, node in enumerate(outputs):
-            value = node.meta.get("val")
-            if out_index in claimed or not isinstance(value, torch.Tensor):
-                continue
-            if (value.shape, value.stride(), value.dtype) == (wanted.shape, wanted.stride(), wanted.dtype):
-                claimed[out_index] = in_index
-                break
+        node = placeholders[in_index]
+        if node in outputs:
+            warnings.warn(f"donated input {input_paths[in_index]} is returned unchanged, so nothing updates it "
+                          f"in place; check that the function returns its new value, or do not donate it",
+                          stacklevel=4)
+        wanted = node.meta["val"]
+        same_place = output_positions.get(input_positions[in_index])
+        candidates = [same_place] if fits(same_place, wanted) else [j for j in range(len(outputs)) if fits(j, wanted)]
+        if candidates:
+            claimed[candidates[0]] = in_index
         else:
             warnings.warn(f"donated input {input_paths[in_index]} matches no output of the same shape, strides and "
                           f"dtype, so nothing is written into it", stacklevel=4)

@@ -36,6 +36,7 @@ from .errors import ScheduleError
 from .ordering import Clocks
 from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
 from .program import Program, info
+from .reinplace import inplace_variant, plan_inplace
 
 
 def lower(program: Program, *, donate: Mapping[int, int] | None = None) -> Plan:
@@ -109,7 +110,11 @@ class _Lowering:
 
     def run(self) -> Plan:
         self._bind_placeholders_and_constants()
-        for node in self._issue_order():
+        order = self._issue_order()
+        placeholders = self.program.placeholders()
+        self.inplace = plan_inplace(order, list(self.program.output_node().args[0]),
+                                    {placeholders[i] for i in self.donate.values()}, _allocates)
+        for node in order:
             self._lower_node(node)
         output_slots = self._lower_outputs()
         self._elide_concatenations()
@@ -230,6 +235,9 @@ class _Lowering:
             return
         if ops.is_mutating(op):
             raise NotImplementedError(f"in-place op {op} on a non-input in the functional graph ({node.name})")
+        if node in self.inplace and not hoist:
+            self._lower_inplace(node, stream, args, kwargs)
+            return
 
         tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         fresh = [(i, v) for i, v in tensors if _storage_key(v) not in self.storage_of_key]
@@ -255,10 +263,20 @@ class _Lowering:
         kind = StorageKind.CONSTANT if hoist else StorageKind.DYNAMIC
         outputs = tuple(self._slot_for_value(node, i, v, False, kind) for i, v in tensors)
         note = "" if hoist else ("no out= overload" if variant is None else
-                                 "its out= overload would allocate and copy" if not variant.direct else
+                                 "its out= kernel is not known to write only its result" if not variant.direct else
                                  "out= overload does not fit")
         destination.append(_StepDraft(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,
                                       result_indices=result_indices))
+
+    def _lower_inplace(self, node: fx.Node, stream: int, args: tuple, kwargs: dict) -> None:
+        """Run `node` as its in-place variant: its results are its first argument's slots."""
+        selves = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        slots = tuple(self.slot_of[(s, 0)] for s in selves)
+        for index, (slot, value) in enumerate(zip(slots, _values(node))):
+            self.storage_of_key[_storage_key(value)] = self.slots[slot].storage
+            self.slot_of[(node, index)] = slot
+        self.steps.append(_StepDraft(StepKind.KERNEL, stream, inplace_variant(node.target), args, kwargs, slots,
+                                     node=node.name, note="in place"))
 
     def _alias_to_base(self, node: fx.Node, values: list[tuple[int, torch.Tensor]]) -> None:
         """A view whose fake result got a storage of its own (make_fx gives a program constant's node and
@@ -456,6 +474,12 @@ class _Lowering:
         return storages, tuple(slots), layout.nbytes
 
 
+def _allocates(node: fx.Node) -> bool:
+    """Whether lowering would allocate the node's result (no direct out= kernel)."""
+    variant = ops.out_variant(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
+    return variant is None or not variant.direct
+
+
 def _map_nodes(arg: Any, fn: Callable[[fx.Node], Any]) -> Any:
     """Apply fn to every fx Node in a nested argument, rebuilding fx's immutable containers as plain
     lists and tuples (aten ops reject the immutable ones)."""
@@ -545,10 +569,13 @@ def _run_out_call(fake_mode: Any, variant: ops.OutVariant, op: Any, args: tuple,
     try:
         with fake_mode:
             outs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in values]
+            storages = [(_storage_key(o), o.untyped_storage().nbytes()) for o in outs]
             result = variant.op(*pos, **kw, **dict(zip(variant.out_names, outs)))
     except Exception:
         return False
     results = list(result) if isinstance(result, (list, tuple)) else [result]
+    # An out= kernel may resize `out` on the way (mse_loss.out computes the unreduced loss in it first).
+    # In the arena that would write past the buffer, so the storage must keep its identity and size.
     return len(results) == len(outs) and all(
-        r.shape == v.shape and r.stride() == v.stride() and _storage_key(r) == _storage_key(o)
-        for r, v, o in zip(results, values, outs))
+        r.shape == v.shape and r.stride() == v.stride() and (_storage_key(r), r.untyped_storage().nbytes()) == before
+        for r, v, before in zip(results, values, storages))

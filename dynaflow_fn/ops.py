@@ -2,9 +2,8 @@
 
 Lowering writes every kernel's result into a planned buffer. For an op such as `aten.addmm.default`
 the same packet holds `aten.addmm.out`, whose schema is the functional one plus keyword-only `out`
-tensors. Some `out=` overloads are generated wrappers that run the functional op and copy its result
-into `out` (`native_layer_norm.out`, `embedding.out`): those would add a copy kernel, so lowering lets
-such ops allocate instead. Factory and conversion ops (`arange`, `_to_copy`) drop their dtype/device options in the
+tensors. Only `out=` kernels known to write their result straight into `out` are used (see
+`_writes_out_directly`); other ops allocate their result, which is always correct. Factory and conversion ops (`arange`, `_to_copy`) drop their dtype/device options in the
 `out=` form, because the `out` tensor carries them. Ops with no such overload still run, allocating
 their result; the Plan lists them.
 """
@@ -28,7 +27,7 @@ class OutVariant:
     positional: tuple[str, ...]
     keyword: tuple[str, ...]
     out_names: tuple[str, ...]
-    direct: bool    # False when the overload is generated as "call the functional op, copy into out"
+    direct: bool    # True when the kernel is known to write its result straight into `out` (see below)
 
     def call_arguments(self, bound: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Positional and keyword arguments for `op`, from the functional call's bound arguments."""
@@ -70,9 +69,30 @@ def out_variant(op: torch._ops.OpOverload) -> OutVariant | None:
             positional=tuple(a.name for a in inputs if not a.kwarg_only),
             keyword=tuple(a.name for a in inputs if a.kwarg_only),
             out_names=tuple(a.name for a in outs),
-            direct=not torch._C._dispatch_has_kernel_for_dispatch_key(candidate.name(), "CompositeExplicitAutograd"),
+            direct=_writes_out_directly(op, candidate),
         )
     return None
+
+
+_VETTED_OUT_KERNELS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_softmax", "_log_softmax", "_softmax_backward_data",
+    "_log_softmax_backward_data", "cat", "cumsum",
+})
+
+
+def _writes_out_directly(op: torch._ops.OpOverload, out: torch._ops.OpOverload) -> bool:
+    """Whether `out`'s kernel writes the final result into `out` and nothing else.
+
+    Generated overloads (a CompositeExplicitAutograd kernel: run the functional op, copy into out) would
+    add a copy kernel. Some hand-written ones use `out` as scratch first (`mse_loss.out` resizes it to
+    the unreduced shape, which inside an arena writes past the buffer). Structured pointwise and
+    reduction kernels, GEMMs, softmax and cat set the output shape once and write it: only those are used.
+    """
+    if torch._C._dispatch_has_kernel_for_dispatch_key(out.name(), "CompositeExplicitAutograd"):
+        return False
+    tags = set(op.tags)
+    return (torch.Tag.pointwise in tags or getattr(torch.Tag, "reduction", None) in tags
+            or op._schema.name.split("::")[-1] in _VETTED_OUT_KERNELS)
 
 
 def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:

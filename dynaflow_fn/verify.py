@@ -109,9 +109,10 @@ def _check_races(plan: Plan, clocks: Clocks) -> list[str]:
         writes = np.array([a[1] for a in items])
         lo = np.array([a[2] for a in items])
         hi = np.array([a[3] for a in items])
+        slots = np.array([a[4] for a in items])
         for k in np.nonzero(writes)[0]:
             conflict = (lo < hi[k]) & (lo[k] < hi) & (np.arange(len(items)) != k)
-            same_step = conflict & (steps == steps[k])
+            same_step = conflict & (steps == steps[k]) & (slots != slots[k])
             for j in np.nonzero(same_step & ~writes)[0]:
                 problems.append(f"{_describe(plan, int(steps[k]))} reads and writes overlapping bytes of "
                                 f"{plan.slots[items[j][4]].name}")

@@ -183,3 +183,35 @@ def test_moving_an_input_to_another_device_traces_again():
     torch.testing.assert_close(fast(cpu), cpu * 2)
     torch.testing.assert_close(fast(gpu), gpu * 2)
     assert fast.cache_info().misses == 2 and fast.cache_info().captures == 1
+
+
+def test_train_step_graph_updates_parameters_in_place():
+    model = MLP().cuda()
+    fn, params = df.pure(model)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    reference_params = {k: v.clone() for k, v in params.items()}
+    optimizer = df.optim.adamw(lr=1e-2)
+    state, reference_state = optimizer.init(params), optimizer.init(reference_params)
+
+    def train_step(params, state, x, y):
+        loss, grads = df.value_and_grad(lambda p: torch.nn.functional.mse_loss(fn(p, x), y))(params)
+        params, state = optimizer.update(grads, state, params)
+        return params, state, loss
+
+    step = df.jit(train_step, donate_argnums=(0, 1))
+    addresses = {k: v.data_ptr() for k, v in params.items()}
+    for i in range(4):
+        x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 16, device="cuda")
+        _, _, loss = step(params, state, x, y)
+        reference_params, reference_state, reference_loss = train_step(reference_params, reference_state, x, y)
+        torch.testing.assert_close(loss, reference_loss)
+        if i == 1:
+            torch.cuda.synchronize()
+            memory = torch.cuda.memory_allocated()
+    for k in params:
+        torch.testing.assert_close(params[k], reference_params[k])
+        assert params[k].data_ptr() == addresses[k]
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == memory
+    assert step.cache_info().captures == 1
+    assert not step.lower(params, state, x, y).copy_steps()

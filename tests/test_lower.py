@@ -140,3 +140,25 @@ def test_plan_prints_steps_buffers_and_totals():
     # A hidden activation is 8 x 64 float32 = 2 KiB; a linear's output and its GELU are live together.
     assert "arena: 4.0 KiB" in text and "arena buffers:" in text
     assert "allocates: 0 steps" in text and "copies: 0 steps" in text
+
+
+def test_inputs_are_never_overwritten_unless_donated():
+    def f(x, w):
+        return (x.clamp(-1, 1).relu_() @ w).exp(), w.T
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    x0, w0 = x.clone(), w.clone()
+    out, wt = df.jit(f)(x, w)
+    torch.testing.assert_close(out, (x0.clamp(-1, 1).relu() @ w0).exp())
+    assert torch.equal(x, x0) and torch.equal(w, w0) and torch.equal(wt, w0.T)
+
+
+def test_dead_intermediates_are_updated_in_place():
+    def f(x):
+        return x.exp().relu().relu()
+
+    plan = _plan(f, torch.randn(8))
+    in_place = [s for s in plan.steps if s.note == "in place"]
+    assert in_place and all(s.kind is StepKind.KERNEL for s in in_place)
+    x = torch.randn(8)
+    torch.testing.assert_close(df.jit(f)(x), x.exp().relu())

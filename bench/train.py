@@ -1,0 +1,101 @@
+"""Training step of a Llama-like model (8 layers, hidden 2048, bf16): eager PyTorch against df.jit.
+
+  eager      model(ids) -> cross-entropy -> backward -> torch.optim.AdamW(fused=True).step()
+  df.jit     one traced program: df.value_and_grad + df.optim.adamw, params and optimizer state
+             donated, replayed as one CUDA graph
+
+Cases: a launch-bound batch (1 x 128 tokens) and a large one (8 x 2048 tokens). Prints medians and
+ratios; writes bench/results/train.json.   python -m bench.train
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dynaflow_fn as df
+from bench.common import peak_memory_mb, print_table, time_variants, write_results
+
+VOCAB = 32000
+
+
+def make_model(device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+
+
+def cross_entropy(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+
+
+def rows_for(batch: int, tokens: int, device: torch.device) -> list[dict]:
+    case = f"8 layers x 2048, batch {batch} x {tokens} tokens"
+    ids = torch.randint(0, VOCAB, (batch, tokens), device=device)
+
+    eager_model = make_model(device)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, fused=True)
+
+    def eager_step():
+        loss = cross_entropy(eager_model(ids, use_cache=False).logits, ids)
+        loss.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    df_model = make_model(device)
+    forward, params = df.pure(df_model)
+    params = {k: v.detach() for k, v in params.items() if k in dict(df_model.named_parameters())}
+    buffers = {k: v for k, v in df.pure(df_model)[1].items() if k not in params}
+    optimizer = df.optim.adamw(lr=1e-4)
+    state = optimizer.init(params)
+
+    def loss_fn(params, ids):
+        return cross_entropy(forward({**params, **buffers}, ids, use_cache=False).logits, ids)
+
+    def train_step(params, state, ids):
+        loss, grads = df.value_and_grad(loss_fn)(params, ids)
+        params, state = optimizer.update(grads, state, params)
+        return params, state, loss
+
+    fast = df.jit(train_step, donate_argnums=(0, 1))
+    start = time.perf_counter()
+    fast(params, state, ids)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - start
+
+    eager_loss, df_loss = eager_step(), fast(params, state, ids)[2]
+    memory = {"eager": peak_memory_mb(eager_step), "df.jit": peak_memory_mb(lambda: fast(params, state, ids))}
+    inner = 5 if tokens * batch <= 512 else 1
+    timings = time_variants({"eager": eager_step, "df.jit": lambda: fast(params, state, ids)},
+                            rounds=3, repeats=10, inner=inner)
+    rows = []
+    for name in ("eager", "df.jit"):
+        rows.append({"case": case, "variant": name, **timings[name], "peak_mem_mb": memory[name],
+                     "tokens_per_s": batch * tokens / timings[name]["median_ms"] * 1e3})
+    rows[1]["first_call_s"] = build_s
+    rows[1]["loss_after_warmup"] = float(df_loss)
+    rows[0]["loss_after_warmup"] = float(eager_loss)
+    for row in rows:
+        row["speedup_vs_baseline"] = timings["eager"]["median_ms"] / row["median_ms"]
+    rows[0]["variant"] = "baseline (eager, AdamW fused)"
+    del eager_model, df_model, params, state, fast
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    rows = rows_for(1, 128, device) + rows_for(8, 2048, device)
+    print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "tokens_per_s",
+                       "peak_mem_mb", "first_call_s"], f"training step ({torch.cuda.get_device_name()})")
+    print(f"\nwrote {write_results('train', rows)}")
+
+
+if __name__ == "__main__":
+    main()

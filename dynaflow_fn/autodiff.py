@@ -1,0 +1,85 @@
+"""`df.value_and_grad` and `df.grad`: gradients that trace into the same Program as the forward.
+
+They wrap `torch.func.grad_and_value`, so tracing a training step with `df.trace` or `df.jit` records
+the forward and the backward as one aten graph, which lowers to one Plan and replays as one CUDA graph.
+Called eagerly they compute what `torch.func` computes. The differences are the error messages: a
+non-scalar loss or a non-floating tensor among the differentiated arguments is reported by its path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from . import tree
+from .errors import InputError
+
+
+def _check_differentiable(fn: Callable[..., Any], args: tuple, argnums: int | Sequence[int]) -> None:
+    names = tree.argument_names(fn, len(args))
+    for index in (argnums,) if isinstance(argnums, int) else tuple(argnums):
+        if not 0 <= index < len(args):
+            raise InputError(f"argnums names argument {index}, but the call passes {len(args)} positional arguments")
+        paths, leaves, _ = optree.tree_flatten_with_path(args[index])
+        for path, leaf in zip(paths, leaves):
+            where = tree.path_to_str((0, index, *path), names)
+            if not isinstance(leaf, torch.Tensor):
+                raise InputError(f"value_and_grad differentiates argument {names[index]}, but {where} is a "
+                                 f"{type(leaf).__name__}, not a tensor")
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise InputError(f"value_and_grad differentiates {where}, a {str(leaf.dtype).replace('torch.', '')} "
+                                 f"tensor; gradients need floating-point tensors. Pass integer buffers (step counts, "
+                                 f"indices) in another argument.")
+
+
+def _scalar_loss(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise InputError("value_and_grad(has_aux=True) needs the function to return (loss, aux)")
+        loss = out[0] if has_aux else out
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise InputError(f"value_and_grad needs a scalar loss, but {getattr(fn, '__name__', 'fn')} returned "
+                             f"{got}; reduce it, e.g. with .mean() or .sum()")
+        if not loss.is_floating_point():
+            raise InputError(f"value_and_grad needs a floating-point loss, got {loss.dtype}")
+        return out
+    return checked
+
+
+def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+                   ) -> Callable[..., Any]:
+    """`fn`'s value and its gradient with respect to the arguments `argnums` (pytrees of tensors).
+
+    Returns `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`; `grads` has the structure of the
+    differentiated argument (a tuple of them when `argnums` is a tuple), like `jax.value_and_grad`.
+
+    >>> loss, grads = df.value_and_grad(loss_fn)(params, batch)
+    """
+    checked = _scalar_loss(fn, has_aux)
+    transformed = torch.func.grad_and_value(checked, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fn)
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+        _check_differentiable(fn, args, argnums)
+        grads, value = transformed(*args, **kwargs)
+        return value, grads
+
+    return value_and_grad_fn
+
+
+def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """The gradient of a scalar `fn`; with `has_aux`, `(grads, aux)`. See `value_and_grad`."""
+    both = value_and_grad(fn, argnums, has_aux)
+
+    @functools.wraps(fn)
+    def grad_fn(*args: Any, **kwargs: Any) -> Any:
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return grad_fn

@@ -1,0 +1,134 @@
+"""Re-inplacing: let a functional op write into its first argument when nothing needs the old value.
+
+A training step that donates its parameters and optimizer state ends with chains such as
+`p1 = _foreach_mul(params, c); p2 = _foreach_sub(p1, update)`, whose result lowering would copy back
+into the donated `params`. Running those ops in place (`_foreach_mul_(params, c)`, then
+`_foreach_sub_`) leaves the result already in `params`: no copy, no intermediate buffers.
+
+An op `b = f(a, ...)` runs as `f_(a, ...)` when `f_` exists, `b` has `a`'s shape, strides and dtype,
+and the old value of `a` is dead: nothing reads `a` or a view of it later in the issue order, it is not
+returned, it is no program constant, and if it is a program input it is a donated one (its value is
+replaced anyway). Only ops that would otherwise allocate their result, or whose first argument is a
+donated input, are rewritten; `out=` kernels already write into planned memory.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import ops
+
+
+def inplace_variant(op: object) -> torch._ops.OpOverload | None:
+    """`aten.add_.Tensor` for `aten.add.Tensor`, `aten._foreach_mul_.Scalar` for `_foreach_mul.Scalar`."""
+    if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
+        return None
+    name = op._schema.name.split("::")[-1]
+    packet = getattr(getattr(torch.ops, op.namespace), name + "_", None)
+    candidate = getattr(packet, op._overloadname, None) if packet is not None else None
+    if candidate is None:
+        return None
+    first = candidate._schema.arguments[0]
+    if first.alias_info is None or not first.alias_info.is_write:
+        return None
+    functional = [(a.name, str(a.type)) for a in op._schema.arguments[1:]]
+    if [(a.name, str(a.type)) for a in candidate._schema.arguments[1:]] != functional:
+        return None
+    return candidate
+
+
+def _storage(node: fx.Node) -> int | None:
+    value = node.meta.get("val")
+    return StorageWeakRef(value.untyped_storage()).cdata if isinstance(value, torch.Tensor) else None
+
+
+class _Aliases:
+    """Union-find over nodes: the node whose memory each value lives in (its alias root)."""
+
+    def __init__(self) -> None:
+        self.parent: dict[fx.Node, fx.Node] = {}
+
+    def root(self, node: fx.Node) -> fx.Node:
+        while node in self.parent:
+            node = self.parent[node]
+        return node
+
+    def join(self, node: fx.Node, into: fx.Node) -> None:
+        node, into = self.root(node), self.root(into)
+        if node is not into:
+            self.parent[node] = into
+
+
+def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: set[fx.Node],
+                 allocates: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The nodes to run in place, given the issue order, the returned nodes and the donated inputs."""
+    aliases = _Aliases()
+    for node in order:
+        base = next((a for a in node.args if isinstance(a, fx.Node)), None)
+        if base is None:
+            continue
+        storage = _storage(node)
+        if ops.is_view(node.target) or (node.target is operator.getitem and ops.is_view(base.target)) or (
+                storage is not None and storage == _storage(base)):
+            aliases.join(node, base)
+    position = {node: i for i, node in enumerate(order)}
+    last_read: dict[fx.Node, int] = {}
+    for node in order:
+        for source in node.all_input_nodes:
+            root = aliases.root(source)
+            last_read[root] = max(last_read.get(root, -1), position[node])
+    returned = {aliases.root(node) for node in outputs}
+    chosen: set[fx.Node] = set()
+    for node in order:
+        variant = inplace_variant(node.target)
+        if variant is None or not node.args:
+            continue
+        selves = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+        value = node.meta.get("val")
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not selves or len(selves) != len(values) or not all(isinstance(s, fx.Node) for s in selves):
+            continue
+        roots = [aliases.root(s) for s in selves]
+        if not (allocates(node) or any(r in donated for r in roots)):
+            continue
+        others = {aliases.root(a) for a in node.all_input_nodes if a not in selves}
+        if len(set(roots)) == len(roots) and all(
+                _dead_after(node, s, r, v, position, last_read, returned, donated, others)
+                for s, r, v in zip(selves, roots, values)):
+            chosen.add(node)
+            _merge_results(node, roots, aliases, last_read, returned)
+    return chosen
+
+
+def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object, position: dict,
+                last_read: dict, returned: set, donated: set, others: set) -> bool:
+    """Whether `self_node`'s memory may take `node`'s result: its old value is never needed again."""
+    old = self_node.meta.get("val")
+    if not isinstance(old, torch.Tensor) or not isinstance(result, torch.Tensor):
+        return False
+    if (old.shape, old.stride(), old.dtype) != (result.shape, result.stride(), result.dtype):
+        return False
+    if torch._debug_has_internal_overlap(old) == 1:
+        return False
+    if root.op == "get_attr" or (root.op == "placeholder" and root not in donated):
+        return False
+    return root not in returned and root not in others and last_read.get(root, -1) <= position[node]
+
+
+def _merge_results(node: fx.Node, roots: list[fx.Node], aliases: _Aliases, last_read: dict, returned: set) -> None:
+    """After `node` runs in place, its results live in its first argument's memory."""
+    results = [u for u in node.users if u.target is operator.getitem] if len(roots) > 1 or isinstance(
+        node.meta.get("val"), (list, tuple)) else [node]
+    for result in results:
+        index = result.args[1] if result is not node else 0
+        root = roots[index]
+        result_root = aliases.root(result)
+        last_read[root] = max(last_read.get(root, -1), last_read.get(result_root, -1))
+        if result_root in returned:
+            returned.add(root)
+        aliases.join(result, root)
