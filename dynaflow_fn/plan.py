@@ -159,6 +159,12 @@ class Plan:
     def kernel_steps(self) -> list[Step]:
         return [s for s in self.steps if s.kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY)]
 
+    def written_inputs(self) -> list[int]:
+        """Positions of the flat tensor inputs that some step writes (write-backs, donated updates)."""
+        written = {self.storages[self.slots[slot].storage].input_index for step in self.steps
+                   for slot in step.writes() if self.storages[self.slots[slot].storage].kind is StorageKind.INPUT}
+        return sorted(written)
+
     def storage_bytes(self, kind: StorageKind) -> int:
         return sum(s.nbytes for s in self.storages if s.kind is kind)
 

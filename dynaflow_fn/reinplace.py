@@ -8,7 +8,8 @@ into the donated `params`. Running those ops in place (`_foreach_mul_(params, c)
 An op `b = f(a, ...)` runs as `f_(a, ...)` when `f_` exists, `b` has `a`'s shape, strides and dtype,
 and the old value of `a` is dead: nothing reads `a` or a view of it later in the issue order, it is not
 returned, it is no program constant, and if it is a program input it is a donated one (its value is
-replaced anyway). Only ops that would otherwise allocate their result, or whose first argument is a
+replaced anyway). A `cat` counts as an alias of its parts, since lowering may place each part in the
+`cat`'s output. Only ops that would otherwise allocate their result, or whose first argument is a
 donated input, are rewritten; `out=` kernels already write into planned memory.
 """
 
@@ -69,6 +70,10 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
     """The nodes to run in place, given the issue order, the returned nodes and the donated inputs."""
     aliases = _Aliases()
     for node in order:
+        if node.target is torch.ops.aten.cat.default:
+            for part in node.args[0]:
+                aliases.join(part, node)     # lowering may place each part inside the cat's output
+            continue
         base = next((a for a in node.args if isinstance(a, fx.Node)), None)
         if base is None:
             continue

@@ -162,3 +162,32 @@ def test_dead_intermediates_are_updated_in_place():
     assert in_place and all(s.kind is StepKind.KERNEL for s in in_place)
     x = torch.randn(8)
     torch.testing.assert_close(df.jit(f)(x), x.exp().relu())
+
+
+def test_parts_of_a_concatenation_are_not_overwritten_in_place():
+    import dataclasses
+
+    from dynaflow_fn import transforms as T
+
+    @dataclasses.dataclass(frozen=True)
+    class EachNode(T.Rule):
+        def match(self, node, node_info):
+            return node.name
+
+    class LatestFirst(df.Scheduler):
+        """Issue the most recently traced ready stage: concatenations run before other readers."""
+
+        def pick(self, ready, graph, issued):
+            return ready[-1], 0
+
+    def f(w, x):
+        y = x @ w
+        return y, y.relu()
+
+    step = T.overlap(T.partition(T.microbatch(f, num=2, in_axes=(None, 0)), rules=[EachNode()]),
+                     strategy=LatestFirst())
+    w, x = torch.randn(8, 8), torch.randn(8, 8)
+    order = [s.node for s in df.jit(step).lower(w, x).steps]
+    assert order.index("relu") > order.index("mm")
+    for got, expected in zip(df.jit(step)(w, x), f(w, x)):
+        torch.testing.assert_close(got, expected)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..plan import Plan, StepKind, StorageKind
+from ..plan import Plan
 from .interpreter import BoundPlan
 
 
@@ -35,10 +35,7 @@ class CudaGraphExecutable:
                                                                           dtype=tensor.dtype, device=device)
                               for tensor, adopted in zip(inputs, adopt)]
         self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
-        written = {step.outputs[0] for step in plan.steps
-                   if step.kind is StepKind.COPY and plan.storages[plan.slots[step.outputs[0]].storage].kind
-                   is StorageKind.INPUT}
-        self.written_inputs = [i for i, slot in enumerate(plan.input_slots) if slot in written]
+        self.written_inputs = plan.written_inputs()
         self.write_back = [i for i in self.written_inputs if not adopt[i]]
         self.env = self.bound.new_env(self.static_inputs)
         self.bound.allocate_outputs(self.env)
