@@ -4,7 +4,8 @@ Profiles eager PyTorch and dynaflow_fn's eager interpreter of the same plan (it 
 kernels the CUDA graph replays) and prints, per kernel, launches per call and microseconds per call
 for both, largest differences first.
 
-    python -m bench.kernels
+    python -m bench.kernels             # attention and the launch-bound model
+    python -m bench.kernels training    # a training step
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import dynaflow_fn as df
 from bench.common import print_table
 
 
-def kernels(call: Callable[[], Any], iterations: int = 5) -> dict[str, tuple[float, float]]:
+def kernels(call: Callable[[], Any], iterations: int = 5, grad: bool = False) -> dict[str, tuple[float, float]]:
     """Kernel name -> (launches per call, device microseconds per call)."""
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -39,8 +40,9 @@ def kernels(call: Callable[[], Any], iterations: int = 5) -> dict[str, tuple[flo
     return {name: (count, micros) for name, (count, micros) in table.items()}
 
 
-def compare(title: str, eager: Callable[[], Any], planned: Callable[[], Any], top: int = 15) -> None:
-    a, b = kernels(eager), kernels(planned)
+def compare(title: str, eager: Callable[[], Any], planned: Callable[[], Any], top: int = 15,
+            grad: bool = False) -> None:
+    a, b = kernels(eager, grad=grad), kernels(planned)
     rows = []
     for name in set(a) | set(b):
         ca, ta = a.get(name, (0.0, 0.0))
@@ -52,6 +54,14 @@ def compare(title: str, eager: Callable[[], Any], planned: Callable[[], Any], to
              "plan_n": sum(c for c, _ in b.values()), "plan_us": sum(t for _, t in b.values())}
     total["diff_us"] = total["plan_us"] - total["eager_us"]
     print_table([total] + rows[:top], ["kernel", "eager_n", "eager_us", "plan_n", "plan_us", "diff_us"], title)
+
+
+def training() -> None:
+    from bench.train import VOCAB, df_training, eager_training
+
+    ids = torch.randint(0, VOCAB, (8, 2048), device="cuda")
+    eager, planned = eager_training(ids), df_training(ids, backend="eager")
+    compare("training step, 8 layers x 2048, batch 8 x 2048", eager, planned, top=25, grad=True)
 
 
 def main() -> None:
@@ -74,4 +84,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    training() if sys.argv[1:] == ["training"] else main()

@@ -34,24 +34,27 @@ def cross_entropy(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
 
 
-def rows_for(batch: int, tokens: int, device: torch.device) -> list[dict]:
-    case = f"8 layers x 2048, batch {batch} x {tokens} tokens"
-    ids = torch.randint(0, VOCAB, (batch, tokens), device=device)
+def eager_training(ids: torch.Tensor):
+    """The baseline: eager model, autograd, torch.optim.AdamW(fused=True). Returns step()."""
+    model = make_model(ids.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-    eager_model = make_model(device)
-    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-4, fused=True)
-
-    def eager_step():
-        loss = cross_entropy(eager_model(ids, use_cache=False).logits, ids)
+    def step():
+        loss = cross_entropy(model(ids, use_cache=False).logits, ids)
         loss.backward()
-        eager_optimizer.step()
-        eager_optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return loss
+    return step
 
-    df_model = make_model(device)
-    forward, params = df.pure(df_model)
-    params = {k: v.detach() for k, v in params.items() if k in dict(df_model.named_parameters())}
-    buffers = {k: v for k, v in df.pure(df_model)[1].items() if k not in params}
+
+def df_training(ids: torch.Tensor, backend: str = "auto"):
+    """The same step as one traced program under df.jit, parameters and state donated. Returns step()."""
+    model = make_model(ids.device)
+    forward, state_dict = df.pure(model)
+    names = dict(model.named_parameters())
+    params = {k: v.detach() for k, v in state_dict.items() if k in names}
+    buffers = {k: v for k, v in state_dict.items() if k not in names}
     optimizer = df.optim.adamw(lr=1e-4)
     state = optimizer.init(params)
 
@@ -63,17 +66,24 @@ def rows_for(batch: int, tokens: int, device: torch.device) -> list[dict]:
         params, state = optimizer.update(grads, state, params)
         return params, state, loss
 
-    fast = df.jit(train_step, donate_argnums=(0, 1))
+    fast = df.jit(train_step, donate_argnums=(0, 1), backend=backend)
+    return lambda: fast(params, state, ids)[2]
+
+
+def rows_for(batch: int, tokens: int, device: torch.device) -> list[dict]:
+    case = f"8 layers x 2048, batch {batch} x {tokens} tokens"
+    ids = torch.randint(0, VOCAB, (batch, tokens), device=device)
+    eager_step = eager_training(ids)
+    df_step = df_training(ids)
     start = time.perf_counter()
-    fast(params, state, ids)
+    df_step()
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
 
-    eager_loss, df_loss = eager_step(), fast(params, state, ids)[2]
-    memory = {"eager": peak_memory_mb(eager_step), "df.jit": peak_memory_mb(lambda: fast(params, state, ids))}
+    eager_loss, df_loss = eager_step(), df_step()
+    memory = {"eager": peak_memory_mb(eager_step), "df.jit": peak_memory_mb(df_step)}
     inner = 5 if tokens * batch <= 512 else 1
-    timings = time_variants({"eager": eager_step, "df.jit": lambda: fast(params, state, ids)},
-                            rounds=3, repeats=10, inner=inner)
+    timings = time_variants({"eager": eager_step, "df.jit": df_step}, rounds=3, repeats=10, inner=inner)
     rows = []
     for name in ("eager", "df.jit"):
         rows.append({"case": case, "variant": name, **timings[name], "peak_mem_mb": memory[name],
@@ -84,7 +94,7 @@ def rows_for(batch: int, tokens: int, device: torch.device) -> list[dict]:
     for row in rows:
         row["speedup_vs_baseline"] = timings["eager"]["median_ms"] / row["median_ms"]
     rows[0]["variant"] = "baseline (eager, AdamW fused)"
-    del eager_model, df_model, params, state, fast
+    del eager_step, df_step
     torch.cuda.empty_cache()
     return rows
 

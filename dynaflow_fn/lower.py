@@ -36,7 +36,7 @@ from .errors import ScheduleError
 from .ordering import Clocks
 from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
 from .program import Program, info
-from .reinplace import inplace_variant, plan_inplace
+from .reinplace import inplace_variant, mutated_arguments, plan_inplace
 
 
 def lower(program: Program, *, donate: Mapping[int, int] | None = None) -> Plan:
@@ -76,8 +76,14 @@ class _StepDraft:
 
 
 def _values(node: fx.Node) -> list[Any]:
-    value = node.meta.get("val")
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    """A node's results as a flat list (ops such as _fused_adamw return a tuple of lists)."""
+    return optree.tree_leaves(node.meta.get("val"), none_is_leaf=True)
+
+
+def _leaf_offset(values: Any, index: int) -> tuple[int, int]:
+    """Where the `index`-th element of a (nested) result sits among its flat leaves: (start, count)."""
+    count = lambda v: len(optree.tree_leaves(v, none_is_leaf=True))
+    return sum(count(v) for v in values[:index]), count(values[index])
 
 
 def _storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -216,7 +222,10 @@ class _Lowering:
     def _lower_node(self, node: fx.Node) -> None:
         if node.target is operator.getitem:
             parent, index = node.args
-            self.slot_of[(node, 0)] = self.slot_of[(parent, index)]
+            start, count = _leaf_offset(parent.meta["val"], index)
+            for k in range(count):
+                if (parent, start + k) in self.slot_of:
+                    self.slot_of[(node, k)] = self.slot_of[(parent, start + k)]
             if parent in self.hoisted:
                 self.hoisted.add(node)
             return
@@ -269,9 +278,8 @@ class _Lowering:
                                       result_indices=result_indices))
 
     def _lower_inplace(self, node: fx.Node, stream: int, args: tuple, kwargs: dict) -> None:
-        """Run `node` as its in-place variant: its results are its first argument's slots."""
-        selves = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-        slots = tuple(self.slot_of[(s, 0)] for s in selves)
+        """Run `node` as its in-place variant: its results are the slots of the arguments it mutates."""
+        slots = tuple(self.slot_of[(s, 0)] for s in mutated_arguments(node))
         for index, (slot, value) in enumerate(zip(slots, _values(node))):
             self.storage_of_key[_storage_key(value)] = self.slots[slot].storage
             self.slot_of[(node, index)] = slot

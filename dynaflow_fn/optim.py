@@ -78,30 +78,25 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: b
 
 def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 1e-2) -> Optimizer:
-    """Adam with decoupled weight decay, as torch.optim.AdamW. The step count is a tensor in the state,
-    so every step replays the same graph."""
+    """Adam with decoupled weight decay, computed by torch's fused AdamW kernel (as
+    `torch.optim.AdamW(fused=True)`). The step counts are tensors in the state, so every step replays
+    the same graph; under `df.jit` with donated parameters and state the kernel updates them in place."""
     beta1, beta2 = betas
 
     def init(params: Params) -> State:
-        leaves = optree.tree_leaves(params)
-        device = leaves[0].device if leaves else None
-        return {"step": torch.zeros((), device=device), "exp_avg": _zeros_like(params),
+        def step(p: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((), dtype=torch.float32, device=p.device)
+        return {"step": optree.tree_map(step, params), "exp_avg": _zeros_like(params),
                 "exp_avg_sq": _zeros_like(params)}
 
     def update(grads: Any, state: State, params: Params) -> tuple[Params, State]:
         g, p, spec = _leaves(grads, params)
-        step = state["step"] + 1
-        if weight_decay:
-            p = torch._foreach_mul(p, 1.0 - lr * weight_decay)
-        m = torch._foreach_lerp(optree.tree_leaves(state["exp_avg"]), g, 1.0 - beta1)
-        v = torch._foreach_addcmul(torch._foreach_mul(optree.tree_leaves(state["exp_avg_sq"]), beta2), g, g,
-                                   value=1.0 - beta2)
-        step_size = lr / (1.0 - torch.pow(beta1, step))
-        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), torch.sqrt(1.0 - torch.pow(beta2, step))),
-                                   eps)
-        new_params = torch._foreach_sub(p, torch._foreach_mul(torch._foreach_div(m, denom), step_size))
-        new_state = {"step": step, "exp_avg": optree.tree_unflatten(spec, m),
-                     "exp_avg_sq": optree.tree_unflatten(spec, v)}
+        steps = torch._foreach_add(optree.tree_leaves(state["step"]), 1)
+        new_params, _, exp_avg, exp_avg_sq, _ = torch.ops.aten._fused_adamw.default(
+            p, g, optree.tree_leaves(state["exp_avg"]), optree.tree_leaves(state["exp_avg_sq"]), [], steps,
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        new_state = {"step": optree.tree_unflatten(spec, steps), "exp_avg": optree.tree_unflatten(spec, exp_avg),
+                     "exp_avg_sq": optree.tree_unflatten(spec, exp_avg_sq)}
         return optree.tree_unflatten(spec, new_params), new_state
 
     return Optimizer(init, update)

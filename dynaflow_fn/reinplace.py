@@ -6,6 +6,7 @@ into the donated `params`. Running those ops in place (`_foreach_mul_(params, c)
 `_foreach_sub_`) leaves the result already in `params`: no copy, no intermediate buffers.
 
 An op `b = f(a, ...)` runs as `f_(a, ...)` when `f_` exists, `b` has `a`'s shape, strides and dtype,
+(for ops that mutate several arguments, such as `_fused_adamw_`, this holds for each of them)
 and the old value of `a` is dead: nothing reads `a` or a view of it later in the issue order, it is not
 returned, it is no program constant, and if it is a program input it is a donated one (its value is
 replaced anyway). A `cat` counts as an alias of its parts, since lowering may place each part in the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import operator
 from typing import Callable, Sequence
 
+import optree
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -26,7 +28,9 @@ from . import ops
 
 
 def inplace_variant(op: object) -> torch._ops.OpOverload | None:
-    """`aten.add_.Tensor` for `aten.add.Tensor`, `aten._foreach_mul_.Scalar` for `_foreach_mul.Scalar`."""
+    """`aten.add_.Tensor` for `aten.add.Tensor`, `aten._fused_adamw_` for `aten._fused_adamw`: the overload
+    that writes its results into the arguments it mutates, which must lead its argument list and
+    correspond one to one, in order, to the functional op's results."""
     if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
         return None
     name = op._schema.name.split("::")[-1]
@@ -34,13 +38,23 @@ def inplace_variant(op: object) -> torch._ops.OpOverload | None:
     candidate = getattr(packet, op._overloadname, None) if packet is not None else None
     if candidate is None:
         return None
-    first = candidate._schema.arguments[0]
-    if first.alias_info is None or not first.alias_info.is_write:
+    arguments = candidate._schema.arguments
+    written = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if not written or written != list(range(len(written))) or len(written) != len(op._schema.returns):
         return None
-    functional = [(a.name, str(a.type)) for a in op._schema.arguments[1:]]
-    if [(a.name, str(a.type)) for a in candidate._schema.arguments[1:]] != functional:
+    if [(a.name, str(a.type)) for a in arguments] != [(a.name, str(a.type)) for a in op._schema.arguments]:
         return None
     return candidate
+
+
+def mutated_arguments(node: fx.Node) -> list[object]:
+    """The argument nodes the in-place variant of `node` writes, flattened in the order of its results."""
+    written = sum(1 for a in inplace_variant(node.target)._schema.arguments
+                  if a.alias_info is not None and a.alias_info.is_write)
+    flat: list[object] = []
+    for arg in node.args[:written]:
+        flat += list(arg) if isinstance(arg, (list, tuple)) else [arg]
+    return flat
 
 
 def _storage(node: fx.Node) -> int | None:
@@ -90,12 +104,10 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
     returned = {aliases.root(node) for node in outputs}
     chosen: set[fx.Node] = set()
     for node in order:
-        variant = inplace_variant(node.target)
-        if variant is None or not node.args:
+        if inplace_variant(node.target) is None:
             continue
-        selves = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-        value = node.meta.get("val")
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        selves = mutated_arguments(node)
+        values = optree.tree_leaves(node.meta.get("val"), none_is_leaf=True)
         if not selves or len(selves) != len(values) or not all(isinstance(s, fx.Node) for s in selves):
             continue
         roots = [aliases.root(s) for s in selves]
@@ -126,14 +138,25 @@ def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object
 
 
 def _merge_results(node: fx.Node, roots: list[fx.Node], aliases: _Aliases, last_read: dict, returned: set) -> None:
-    """After `node` runs in place, its results live in its first argument's memory."""
-    results = [u for u in node.users if u.target is operator.getitem] if len(roots) > 1 or isinstance(
-        node.meta.get("val"), (list, tuple)) else [node]
-    for result in results:
-        index = result.args[1] if result is not node else 0
-        root = roots[index]
+    """After `node` runs in place, each of its results lives in the memory of the argument it mutated."""
+    for result, flat_index in _result_nodes(node):
+        root = roots[flat_index]
         result_root = aliases.root(result)
         last_read[root] = max(last_read.get(root, -1), last_read.get(result_root, -1))
         if result_root in returned:
             returned.add(root)
         aliases.join(result, root)
+
+
+def _result_nodes(node: fx.Node, start: int = 0) -> list[tuple[fx.Node, int]]:
+    """The nodes that stand for single results of `node` (itself, or its getitem chains), with their
+    positions among its flat results."""
+    value = node.meta.get("val")
+    if not isinstance(value, (list, tuple)):
+        return [(node, start)]
+    found = []
+    for user in node.users:
+        if user.target is operator.getitem:
+            offset = sum(len(optree.tree_leaves(v, none_is_leaf=True)) for v in value[:user.args[1]])
+            found += _result_nodes(user, start + offset)
+    return found

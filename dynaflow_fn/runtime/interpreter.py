@@ -72,7 +72,7 @@ def compile_step(step: Step) -> Callable[[Env], None]:
 
     def run_multi(env: Env) -> None:
         args, kwargs = arguments(env)
-        results = op(*args, **kwargs)
+        results = optree.tree_leaves(op(*args, **kwargs), none_is_leaf=True)
         for slot, index in zip(outputs, indices):
             env[slot] = results[index]
     return run_multi
