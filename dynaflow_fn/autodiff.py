@@ -1,9 +1,10 @@
 """`df.value_and_grad` and `df.grad`: gradients that trace into the same Program as the forward.
 
-They wrap `torch.func.grad_and_value`, so tracing a training step with `df.trace` or `df.jit` records
-the forward and the backward as one aten graph, which lowers to one Plan and replays as one CUDA graph.
-Called eagerly they compute what `torch.func` computes. The differences are the error messages: a
-non-scalar loss or a non-floating tensor among the differentiated arguments is reported by its path.
+They run `torch.autograd.grad` inside the function, so tracing a training step with `df.trace` or
+`df.jit` records the forward and the backward as one aten graph, which lowers to one Plan and replays
+as one CUDA graph. Called eagerly they compute what `jax.value_and_grad` would: the differentiated
+arguments are not modified and nothing is left requiring grad. A non-scalar loss or a non-floating
+tensor among the differentiated arguments is reported by its path.
 """
 
 from __future__ import annotations
@@ -58,19 +59,42 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has
 
     Returns `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`; `grads` has the structure of the
     differentiated argument (a tuple of them when `argnums` is a tuple), like `jax.value_and_grad`.
+    Gradients come from `torch.autograd.grad` on fresh leaves, so tracing records exactly the backward
+    that eager autograd runs, and model code sees the same tensors it sees in eager mode.
 
     >>> loss, grads = df.value_and_grad(loss_fn)(params, batch)
     """
     checked = _scalar_loss(fn, has_aux)
-    transformed = torch.func.grad_and_value(checked, argnums=argnums, has_aux=has_aux)
+    positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     @functools.wraps(fn)
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
         _check_differentiable(fn, args, argnums)
-        grads, value = transformed(*args, **kwargs)
-        return value, grads
+        with torch.enable_grad():
+            args = list(args)
+            flat = []
+            for index in positions:
+                leaves, spec = optree.tree_flatten(args[index])
+                leaves = [leaf.detach().requires_grad_(True) for leaf in leaves]
+                args[index] = optree.tree_unflatten(spec, leaves)
+                flat.append((leaves, spec))
+            out = checked(*args, **kwargs)
+            loss = out[0] if has_aux else out
+            every_leaf = [leaf for leaves, _ in flat for leaf in leaves]
+            grads = torch.autograd.grad(loss, every_leaf, allow_unused=True)
+        grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, every_leaf)]
+        trees, start = [], 0
+        for leaves, spec in flat:
+            trees.append(optree.tree_unflatten(spec, grads[start:start + len(leaves)]))
+            start += len(leaves)
+        value = (loss.detach(), optree.tree_map(_detached, out[1])) if has_aux else loss.detach()
+        return value, trees[0] if isinstance(argnums, int) else tuple(trees)
 
     return value_and_grad_fn
+
+
+def _detached(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:

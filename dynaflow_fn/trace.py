@@ -2,8 +2,9 @@
 
 The function is traced with `make_fx` on `FakeTensor`s built from the shapes, strides, dtypes and
 devices of the arguments, so tracing never touches real data or device memory: a 7B-parameter model
-whose parameters live on the `meta` device traces on a laptop. `torch.func.functionalize` removes
-in-place ops; a mutation of an input survives as a final `aten.copy_` into that input.
+whose parameters live on the `meta` device traces on a laptop. When the traced ops
+mutate anything, the recorded graph is traced once more through `torch.func.functionalize`, which
+removes in-place ops; a mutation of an input survives as a final `aten.copy_` into that input.
 
 Model code that branches on tensor values cannot be traced; the error points at the user's line.
 """
@@ -27,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-from . import tree
+from . import ops, tree
 from .errors import InputError, TraceError
 from .program import InputSpec, NodeInfo, OutputSpec, Program
 from .tree import TensorSpec
@@ -102,13 +103,17 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         captured["out"] = (out_paths, out_leaves, out_tree)
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
-    with _tracing_context(), _translate_errors(getattr(fn, "__name__", "fn")):
-        traced = make_fx(torch.func.functionalize(flat_body, remove="mutations"), tracing_mode="fake")(*fakes)
+    with torch.no_grad(), _translate_errors(getattr(fn, "__name__", "fn")):
+        traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+    scopes = captured["recorder"].finish()
+    if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
+        fresh = FakeTensorMode(allow_non_fake_inputs=True)
+        traced, scopes = _functionalize(traced, scopes, [specs[i].fake(fresh) for i in kinds.tensor_positions])
 
     out_paths, out_leaves, out_tree = captured["out"]
     outputs = _output_specs(out_paths, out_leaves)
     input_names = [tree.identifier(path_strs[i]) for i in kinds.tensor_positions]
-    graph_module = _rebuild(traced, input_names, captured["recorder"].finish())
+    graph_module = _rebuild(traced, input_names, scopes)
     placeholder_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
     tensor_names = dict(zip(kinds.tensor_positions, placeholder_names))
     inputs = tuple(InputSpec(path_strs[i], tensor_names.get(i), static_leaves.get(i)) for i in range(len(leaves)))
@@ -181,23 +186,37 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-@contextlib.contextmanager
-def _tracing_context() -> Iterator[None]:
-    """No autograd recording, and `torch.compiler.is_compiling()` is True, as under torch.export.
+class _ScopeCarrier(fx.Interpreter):
+    """Replays a traced graph under a new trace, giving each new node the scopes of the node it came from."""
 
-    Libraries such as transformers skip data-dependent checks when they see a compiler.
+    def __init__(self, graph_module: fx.GraphModule, scopes: dict[fx.Node, tuple]):
+        super().__init__(graph_module)
+        self.scopes = scopes
+        self.carried: dict[fx.Node, tuple] = {}
+
+    def run_node(self, node: fx.Node) -> Any:
+        graph = get_proxy_mode().tracer.graph
+        start = next(iter(reversed(graph.nodes)), graph._root)
+        result = super().run_node(node)
+        new = start.next
+        while new is not graph._root:
+            self.carried[new] = self.scopes.get(node, ())
+            new = new.next
+        return result
+
+
+def _functionalize(traced: fx.GraphModule, scopes: dict[fx.Node, tuple],
+                   fakes: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, dict[fx.Node, tuple]]:
+    """Trace the recorded aten graph once more through functionalization: in-place ops become
+    out-of-place ones, and a mutation of an input a final `copy_` into it.
+
+    The model itself is traced without functionalization, so library code sees plain FakeTensors and
+    takes the same paths as in eager PyTorch (transformers, for one, checks for fake tensors).
     """
-    import torch.compiler as compiler
-
-    previous = getattr(compiler, "_is_compiling_flag", None)
-    if previous is not None:
-        compiler._is_compiling_flag = True
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        if previous is not None:
-            compiler._is_compiling_flag = previous
+    carrier = _ScopeCarrier(traced, scopes)
+    with torch.no_grad():
+        functional = make_fx(torch.func.functionalize(carrier.run, remove="mutations"), tracing_mode="fake")(*fakes)
+    return functional, carrier.carried
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, optree)) + (os.path.dirname(__file__) + os.sep,)
