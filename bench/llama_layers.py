@@ -67,3 +67,43 @@ def decoder_stack(layers: list, x: torch.Tensor, k_caches: list, v_caches: list)
     for p, k, v in zip(layers, k_caches, v_caches):
         x = decoder_layer(p, x, k, v)
     return x
+
+
+class LlamaLike(torch.nn.Module):
+    """A trainable Llama-style decoder (RMSNorm, GQA attention with `is_causal`, SwiGLU), plain PyTorch."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(_Block(hidden, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(hidden, eps=1e-5)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden, eps=1e-5), torch.nn.RMSNorm(hidden, eps=1e-5)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.out = torch.nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, -1, self.head_dim).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=2)
+        with df.region("attn"):
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+        x = x + self.out(a.transpose(1, 2).reshape(batch, length, -1))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)

@@ -97,7 +97,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
         captured["recorder"] = recorder
-        with recording(recorder):
+        with recording(recorder), _as_in_eager():
             result = body(*call_args, **call_kwargs)
         out_paths, out_leaves, out_tree = tree.flatten(result)
         captured["out"] = (out_paths, out_leaves, out_tree)
@@ -184,6 +184,24 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
         if schema is not None and schema.is_mutable:
             continue
         graph.erase_node(node)
+
+
+@contextlib.contextmanager
+def _as_in_eager() -> Iterator[None]:
+    """Let model code see what it sees in eager PyTorch.
+
+    make_fx flags itself as FX symbolic tracing, and libraries read that flag to switch to paths that
+    work on Proxies (no shape-dependent Python). A Program is specialized to its input shapes, so
+    the eager path is the right one. (torch's own higher-order ops clear the flag the same way.)
+    """
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    previous = symbolic_trace._is_fx_tracing_flag
+    symbolic_trace._is_fx_tracing_flag = False
+    try:
+        yield
+    finally:
+        symbolic_trace._is_fx_tracing_flag = previous
 
 
 class _ScopeCarrier(fx.Interpreter):

@@ -172,3 +172,17 @@ def test_hf_llama_traces():
     ids = torch.randint(0, 128, (2, 12))
     program = df.trace(logits, params, ids)
     torch.testing.assert_close(program(params, ids), model(ids, use_cache=False).logits)
+
+
+def test_model_code_runs_as_in_eager_pytorch():
+    from torch.fx._symbolic_trace import is_fx_tracing
+
+    seen = []
+
+    def f(x):
+        seen.append((is_fx_tracing(), torch.compiler.is_compiling()))
+        return x + 1
+
+    df.trace(f, torch.randn(2))
+    assert seen == [(False, False)]
+
