@@ -35,7 +35,7 @@ from . import memory, ops
 from .errors import ScheduleError
 from .ordering import Clocks
 from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
-from .program import Program, info
+from .program import Program, contiguous_strides, info
 from .reinplace import inplace_variant, mutated_arguments, plan_inplace
 
 
@@ -60,6 +60,8 @@ class _StorageDraft:
 
 @dataclass
 class _StepDraft:
+    """A Step under construction: lowering adds events and drops elided steps before freezing it."""
+
     kind: StepKind
     stream: int
     op: Any = None
@@ -329,7 +331,7 @@ class _Lowering:
 
     def _copy_to_output(self, slot: Slot, name: str) -> int:
         layout = slot.layout
-        strides = layout.stride if _is_dense(layout) else _contiguous(layout.shape)
+        strides = layout.stride if _is_dense(layout) else contiguous_strides(layout.shape)
         fresh = Layout(layout.shape, strides, layout.dtype, 0)
         storage = self._new_storage(_StorageDraft(StorageKind.OUTPUT, fresh.byte_range()[1]))
         self.slots.append(Slot(len(self.slots), f"{name}_out", fresh, storage, 0, True))
@@ -517,17 +519,9 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _is_contiguous(layout: Layout) -> bool:
     return all(size == 1 or stride == expected
-               for size, stride, expected in zip(layout.shape, layout.stride, _contiguous(layout.shape)))
+               for size, stride, expected in zip(layout.shape, layout.stride, contiguous_strides(layout.shape)))
 
 
 def _is_dense(layout: Layout) -> bool:
