@@ -111,6 +111,7 @@ class _Lowering:
         self.setup: list[_StepDraft] = []
         self.steps: list[_StepDraft] = []
         self.hoisted: set[fx.Node] = set()
+        self.inplace: set[fx.Node] = set()
         self.input_slots: list[int] = []
         self.num_events = 0
 
