@@ -93,7 +93,7 @@ def _conv_flops(node: fx.Node) -> float:
 
 def node_cost(node: fx.Node, roofline: Roofline = H200) -> Cost:
     """FLOPs, bytes, estimated seconds and kind of one call_function node."""
-    if node.op != "call_function" or node.target is operator.getitem:
+    if node.op != "call_function" or node.target is operator.getitem or ops.is_view(node.target):
         return ZERO
     outputs = _tensors(node.meta.get("val"))
     inputs = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]

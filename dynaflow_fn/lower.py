@@ -250,6 +250,9 @@ class _Lowering:
         if node in self.inplace and not hoist:
             self._lower_inplace(node, stream, args, kwargs)
             return
+        if ops.is_collective_wait(op):
+            self._lower_wait(node, stream, args)
+            return
 
         tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         fresh = [(i, v) for i, v in tensors if _storage_key(v) not in self.storage_of_key]
@@ -288,6 +291,16 @@ class _Lowering:
             self.slot_of[(node, index)] = slot
         self.steps.append(_StepDraft(StepKind.KERNEL, stream, inplace_variant(node.target), args, kwargs, slots,
                                      node=node.name, note="in place"))
+
+    def _lower_wait(self, node: fx.Node, stream: int, args: tuple) -> None:
+        """`wait_tensor` returns its input, but only its completion makes the collective's result
+        readable on the device: it runs as a step that *writes* the tensor, so every reader is ordered
+        after it (by stream order or an event), not merely after the collective's launch."""
+        slot = self.slot_of[(node.args[0], 0)]
+        self.storage_of_key[_storage_key(node.meta["val"])] = self.slots[slot].storage
+        self.slot_of[(node, 0)] = slot
+        self.steps.append(_StepDraft(StepKind.KERNEL, stream, node.target, args, {}, (slot,), node=node.name,
+                                     note="collective finished"))
 
     def _alias_to_base(self, node: fx.Node, values: list[tuple[int, torch.Tensor]]) -> None:
         """A view whose fake result got a storage of its own (make_fx gives a program constant's node and

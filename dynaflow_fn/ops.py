@@ -104,9 +104,12 @@ def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[
 
 
 def is_view(op: Any) -> bool:
-    """Whether the schema says every result aliases an input without writing it (view, t, expand...)."""
+    """Whether every result aliases an input without writing it (view, t, expand, ...): from the schema,
+    plus `wait_tensor`, which returns its input once the collective that produces it has finished."""
     if not isinstance(op, torch._ops.OpOverload) or not op._schema.returns:
         return False
+    if is_collective_wait(op):
+        return True
     return all(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
 
@@ -120,6 +123,12 @@ def is_mutating(op: Any) -> bool:
 
 
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
+
+
+def is_collective_wait(op: Any) -> bool:
+    """`wait_tensor`: returns its input once the collective producing it has finished on the device."""
+    return (isinstance(op, torch._ops.OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
+            and op._schema.name.endswith("wait_tensor"))
 
 
 def is_collective(op: Any) -> bool:
