@@ -6,7 +6,7 @@
     print(fast.lower(params, x))       # the Plan: streams, steps, events, buffers
 """
 
-from . import optim, transforms
+from . import distributed, optim, transforms
 from .autodiff import grad, value_and_grad
 from .errors import DynaflowError, InputError, ScheduleError, TraceError, TransformError, VerificationError
 from .jit import CacheInfo, Jitted, jit
@@ -21,6 +21,6 @@ from .verify import verify
 
 __all__ = [
     "CacheInfo", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",
-    "TraceError", "TransformError", "VerificationError", "grad", "jit", "lower", "optim", "pure", "region", "trace",
+    "TraceError", "TransformError", "VerificationError", "distributed", "grad", "jit", "lower", "optim", "pure", "region", "trace",
     "transforms", "value_and_grad", "verify",
 ]

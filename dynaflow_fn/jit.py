@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from . import tree
+from . import distributed, tree
 from .errors import InputError
 from .lower import lower
 from .plan import Plan
@@ -59,6 +59,8 @@ class _Entry:
         self.executable: Any = None
 
     def _build(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self.executable is None and distributed.collective_signature(self.plan):
+            distributed.check_consistent(self.plan)
         if self.backend == "cudagraph":
             adopt = [isinstance(t, torch.nn.Parameter) or i in self.in_place for i, t in enumerate(tensors)]
             self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,

@@ -1,0 +1,168 @@
+"""Tensor-parallel communication overlap: 4 Llama-3-8B-like layers, TP = world size, side by side.
+
+    torchrun --nproc-per-node 2 -m bench.tp            # on 2 GPUs (NCCL); N GPUs give TP=N
+
+Variants, each one CUDA graph over the whole stack:
+  baseline     whole batch on one stream, all-reduce after o-proj and down-proj (hand-captured graph)
+  bound        the same program with the collectives removed (what hiding them perfectly would give)
+  hand-rr2     hand-written round-robin: 2 micro-batches, compute stream + comm stream, events
+  df.jit       dynaflow_fn with no transforms
+  df.rr2       microbatch(2) + overlap("roundrobin"): micro-batch streams and a high-priority comm stream
+  df.tbo2      microbatch(2) + overlap("tbo")
+Rank 0 prints medians and ratios and writes bench/results/tp<N>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import dynaflow_fn as df
+from bench import llama_layers as L
+from bench.common import print_table, time_variants, write_results
+from dynaflow_fn import transforms as T
+
+
+def stack(layers, x, k_caches, v_caches, tp, all_reduce):
+    for p, k, v in zip(layers, k_caches, v_caches):
+        x = L.decoder_layer(p, x, k, v, tp, all_reduce)
+    return x
+
+
+def hand_round_robin(layers, x, k_caches, v_caches, tp, comp, comm):
+    """Two micro-batches; compute on `comp`, all-reduces on `comm`, joined by events (as DESIGN's probe)."""
+    current = torch.cuda.current_stream()
+    comp.wait_stream(current)
+    comm.wait_stream(current)
+    half = x.shape[0] // 2
+    xs = [x[:half], x[half:]]
+    for p, k, v in zip(layers, k_caches, v_caches):
+        partial, ready = [None, None], [None, None]
+        for i in range(2):
+            rows = slice(i * half, (i + 1) * half)
+            with torch.cuda.stream(comp):
+                qkv = L.rms_norm(xs[i], p["n1"]) @ p["wqkv"]
+                partial[i] = L.decode_attention(qkv, k[rows], v[rows], tp) @ p["wo"]
+            comm.wait_stream(comp)
+            with torch.cuda.stream(comm):
+                dist.all_reduce(partial[i])
+                ready[i] = torch.cuda.Event()
+                ready[i].record(comm)
+        hs, downs = [None, None], [None, None]
+        for i in range(2):
+            with torch.cuda.stream(comp):
+                comp.wait_event(ready[i])
+                hs[i] = xs[i] + partial[i]
+                gate, up = (L.rms_norm(hs[i], p["n2"]) @ p["wgu"]).chunk(2, -1)
+                downs[i] = (torch.nn.functional.silu(gate) * up) @ p["wd"]
+            comm.wait_stream(comp)
+            with torch.cuda.stream(comm):
+                dist.all_reduce(downs[i])
+                ready[i] = torch.cuda.Event()
+                ready[i].record(comm)
+        for i in range(2):
+            with torch.cuda.stream(comp):
+                comp.wait_event(ready[i])
+                xs[i] = hs[i] + downs[i]
+    current.wait_stream(comp)
+    current.wait_stream(comm)
+    return torch.cat(xs)
+
+
+def hand_graph(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def in_place_all_reduce(t):
+    dist.all_reduce(t)
+    return t
+
+
+def run_case(tokens, context, layers, tp, device):
+    weights = [L.make_layer(device, tp=tp, seed=i) for i in range(layers)]
+    kv_heads = L.KV_HEADS // tp
+    k_caches = [torch.randn(tokens, kv_heads, context, L.HEAD_DIM, device=device, dtype=L.DTYPE)
+                for _ in range(layers)]
+    v_caches = [torch.randn_like(k) for k in k_caches]
+    x = torch.randn(tokens, L.HIDDEN, device=device, dtype=L.DTYPE)
+
+    def with_collectives(all_reduce):
+        return lambda layers_, x_, k_, v_: stack(layers_, x_, k_, v_, tp, all_reduce)
+
+    functional = with_collectives(df.distributed.all_reduce)
+
+    def overlapped(strategy):
+        step = T.microbatch(functional, num=2, in_axes=(None, 0, 0, 0))
+        return T.overlap(T.partition(step, rules=[T.Op(r"all_reduce")]), strategy=strategy)
+
+    def jitted(fn):
+        fast = df.jit(fn, persistent_argnums=(0, 2, 3), static_outputs=True)
+        out = fast(weights, x, k_caches, v_caches)
+        return (lambda: fast(weights, x, k_caches, v_caches)), out
+
+    comp, comm = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    variants = {
+        "baseline": lambda: hand_graph(lambda: stack(weights, x, k_caches, v_caches, tp, in_place_all_reduce)),
+        "bound": lambda: hand_graph(lambda: stack(weights, x, k_caches, v_caches, tp, None)),
+        "hand-rr2": lambda: hand_graph(lambda: hand_round_robin(weights, x, k_caches, v_caches, tp, comp, comm)),
+        "df.jit": lambda: jitted(functional),
+        "df.rr2": lambda: jitted(overlapped("roundrobin")),
+        "df.tbo2": lambda: jitted(overlapped("tbo")),
+    }
+    built = {}
+    for name, build in variants.items():
+        try:
+            built[name] = build()
+        except Exception as error:
+            if dist.get_rank() == 0:
+                print(f"{name} failed: {type(error).__name__}: {error}")
+    reference = built["baseline"][1].float()
+    timings = time_variants({name: call for name, (call, _) in built.items()}, rounds=3, repeats=10)
+    rows = []
+    base, bound = timings["baseline"]["median_ms"], timings["bound"]["median_ms"]
+    for name, (_, out) in built.items():
+        median = timings[name]["median_ms"]
+        rows.append({"case": f"TP={tp}, {layers} layers, {tokens} tokens", "variant": name, **timings[name],
+                     "speedup_vs_baseline": base / median,
+                     "hidden_fraction": (base - median) / (base - bound) if base > bound else None,
+                     "rel_err": ((out.float() - reference).norm() / reference.norm()).item()})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--layers", type=int, default=4)
+    options = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    tp = dist.get_world_size()
+    rows = []
+    for tokens in options.tokens:
+        rows += run_case(tokens, 16, options.layers, tp, device)
+        torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline",
+                           "hidden_fraction", "rel_err"], f"tensor-parallel overlap ({torch.cuda.get_device_name()})")
+        print(f"\nwrote {write_results(f'tp{tp}', rows)}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

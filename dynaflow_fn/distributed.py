@@ -1,0 +1,114 @@
+"""`df.distributed`: collectives inside traced programs, and the checks that keep ranks in step.
+
+Use torch's functional collectives in model code (`all_reduce` below is one); they trace into the
+Program as comm-kind nodes that schedulers put on their own stream. Planning is deterministic, so
+every rank builds the same schedule from the same program; `check_consistent` proves it at run time
+by comparing each rank's sequence of collectives before the first call, which turns a mismatch
+(different shapes, a different order, a rank running other code) into an error naming the collective
+instead of a hang.
+
+Tensor parallelism for the examples and benchmarks:
+
+    w_col = df.distributed.shard(w_qkv, dim=1)          # column-parallel: each rank a slice of outputs
+    w_row = df.distributed.shard(w_o, dim=0)            # row-parallel: each rank a slice of inputs
+    y = df.distributed.all_reduce(x @ w_row)            # partial sums -> full result on every rank
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .errors import DynaflowError
+from .plan import Plan, StepKind
+
+
+class DistributedError(DynaflowError):
+    """Ranks disagree about the collectives they are about to run, or a rank did not join in time."""
+
+
+def _group(group: Any) -> Any:
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError("no process group is initialized: call torch.distributed.init_process_group "
+                               "(torchrun sets up the environment for it) before tracing collectives")
+    return group if group is not None else dist.group.WORLD
+
+
+def all_reduce(tensor: torch.Tensor, group: Any = None, op: str = "sum") -> torch.Tensor:
+    """Functional all-reduce (a new tensor; the input is unchanged) that traces into a Program."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(tensor, op, _group(group))
+
+
+def shard(tensor: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
+    """This rank's contiguous slice of `tensor` along `dim` (which the world size must divide)."""
+    group = _group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor.shape[dim] % world:
+        raise DistributedError(f"cannot shard dimension {dim} of size {tensor.shape[dim]} over {world} ranks")
+    return tensor.chunk(world, dim)[rank].contiguous()
+
+
+def collective_signature(plan: Plan) -> list[tuple]:
+    """The plan's collectives in issue order: op, arguments that are not tensors, and tensor shapes."""
+    signature = []
+    for step in plan.steps:
+        if step.kind is StepKind.FORK or not ops.is_collective(step.op) or ops.is_collective_wait(step.op):
+            continue
+        shapes = tuple((plan.slots[s].layout.shape, str(plan.slots[s].layout.dtype)) for s in step.reads())
+        constants = tuple(a for a in step.args if isinstance(a, (int, float, str)))
+        signature.append((str(step.op), constants, shapes))
+    return signature
+
+
+def check_consistent(plan: Plan, group: Any = None, timeout: float = 60.0) -> None:
+    """Raise DistributedError unless every rank of `group` runs the same collectives in the same order.
+
+    Uses the process group's store with a timeout, so a rank that never arrives is reported, not
+    waited for forever.
+    """
+    group = _group(group)
+    mine = collective_signature(plan)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank(group)
+    key = f"dynaflow/collectives/{plan.name}/{_counter(plan.name)}"
+    store.set(f"{key}/{rank}", repr(mine))
+    names = [f"{key}/{r}" for r in range(world)]
+    try:
+        store.wait(names, datetime.timedelta(seconds=timeout))
+    except Exception as error:
+        missing = [r for r, n in enumerate(names) if not store.check([n])]
+        raise DistributedError(f"rank(s) {missing} did not reach {plan.name}'s first call within {timeout:.0f} s "
+                               f"while ranks compared their collectives; every rank must call it") from error
+    for other in range(world):
+        theirs = store.get(names[other]).decode()
+        if theirs != repr(mine):
+            raise DistributedError(_difference(plan.name, rank, mine, other, theirs))
+
+
+_calls: dict[str, int] = {}
+
+
+def _counter(name: str) -> int:
+    _calls[name] = _calls.get(name, 0) + 1
+    return _calls[name]
+
+
+def _difference(name: str, rank: int, mine: list[tuple], other: int, theirs: str) -> str:
+    import ast
+
+    parsed = ast.literal_eval(theirs)
+    for index, (a, b) in enumerate(zip(mine, parsed)):
+        if repr(a) != repr(b):
+            return (f"{name}: collective #{index} differs between rank {rank} ({a[0]}, inputs {a[2]}) and rank "
+                    f"{other} ({b[0]}, inputs {b[2]}); every rank must run the same collectives on the same shapes")
+    return (f"{name}: rank {rank} runs {len(mine)} collectives but rank {other} runs {len(parsed)}; every rank "
+            f"must run the same collectives")

@@ -1,0 +1,145 @@
+"""Collectives on two CPU processes (gloo): same plan on every rank, results equal the one-process model,
+and mismatches end in an error, never a hang (every test runs under a deadline)."""
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import dynaflow_fn as df
+from dynaflow_fn import transforms as T
+
+DEADLINE_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, task, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import datetime
+
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+        queue.put((rank, True, task(rank, world)))
+    except Exception:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def queue_empty():
+    import queue
+
+    return queue.Empty
+
+
+def _spawn(task, world=2):
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_worker, args=(rank, world, port, task, queue)) for rank in range(world)]
+    for p in processes:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, ok, payload = queue.get(timeout=DEADLINE_S)
+            results[rank] = (ok, payload)
+    except queue_empty():
+        pytest.fail(f"workers did not finish within {DEADLINE_S} s")
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return [results[r] for r in range(world)]
+
+
+def _weights():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(16, 64, generator=generator), torch.randn(64, 16, generator=generator)
+
+
+def _tensor_parallel_mlp(x, w1, w2):
+    """Column-parallel first layer, row-parallel second, one all-reduce of the partial sums."""
+    return df.distributed.all_reduce(F.gelu(x @ w1) @ w2)
+
+
+def _plan_fingerprint(plan):
+    return [(s.stream, str(s.op), s.node, s.waits, s.records) for s in plan.steps]
+
+
+def _same_plan_and_result(rank, world):
+    w1, w2 = _weights()
+    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    step = T.overlap(T.microbatch(_tensor_parallel_mlp, num=2, in_axes=(0, None, None)), strategy="roundrobin")
+    fast = df.jit(step)
+    out = fast(x, w1, w2)
+    plan = df.verify(fast.lower(x, w1, w2))
+    return _plan_fingerprint(plan), out.numpy(), [str(s) for s in plan.streams]
+
+
+def test_every_rank_builds_the_same_plan_and_matches_one_process():
+    results = _spawn(_same_plan_and_result)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    (fingerprint0, out0, streams), (fingerprint1, out1, _) = (p for _, p in results)
+    assert fingerprint0 == fingerprint1
+    assert any("comm" in s for s in streams)
+    w1, w2 = _weights()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    expected = F.gelu(x @ w1) @ w2
+    torch.testing.assert_close(torch.from_numpy(out0), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(out1), expected, rtol=1e-5, atol=1e-5)
+
+
+def _mismatched_shapes(rank, world):
+    w1, w2 = _weights()
+    x = torch.randn(4 + 2 * rank, 16)
+    try:
+        df.jit(_tensor_parallel_mlp)(x, df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0))
+    except df.distributed.DistributedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_mismatched_collective_shapes_are_an_error_naming_the_collective():
+    results = _spawn(_mismatched_shapes)
+    messages = [payload for ok, payload in results]
+    assert all(ok for ok, _ in results), messages
+    assert all("collective #0 differs" in m and "_c10d_functional.all_reduce" in m for m in messages), messages
+
+
+def _one_rank_missing(rank, world):
+    if rank == 1:
+        return "skipped"
+    w1, w2 = _weights()
+    plan = df.jit(_tensor_parallel_mlp).lower(torch.randn(4, 16), df.distributed.shard(w1, dim=1),
+                                              df.distributed.shard(w2, dim=0))
+    try:
+        df.distributed.check_consistent(plan, timeout=3)
+    except df.distributed.DistributedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_rank_that_does_not_join_is_reported_not_waited_for():
+    results = _spawn(_one_rank_missing)
+    assert results[1] == (True, "skipped")
+    ok, message = results[0]
+    assert ok and "rank(s) [1] did not reach" in message, message
+
+
+def test_collectives_need_an_initialized_process_group():
+    with pytest.raises(df.distributed.DistributedError, match="init_process_group"):
+        df.distributed.all_reduce(torch.ones(2))
