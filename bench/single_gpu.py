@@ -107,7 +107,6 @@ def pod_rows() -> list[dict]:
             row["ideal_speedup"] = (alone["prefill-alone"] + alone["decode-alone"]) / max(
                 alone["prefill-alone"], alone["decode-alone"])
         rows += measured
-        del args
         torch.cuda.empty_cache()
     return rows
 
@@ -172,7 +171,6 @@ def decode_rows(layers: int = 4, context: int = 2048) -> list[dict]:
             "df.tbo2": lambda: _df(split("tbo"), args, persistent=(0, 2, 3)),
         }
         rows += _measure(case, variants, reference)
-        del k_caches, v_caches
         torch.cuda.empty_cache()
     return rows
 

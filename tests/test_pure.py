@@ -1,6 +1,5 @@
 import pytest
 import torch
-from torch import nn
 
 import dynaflow_fn as df
 from models import MLP, tiny_llama

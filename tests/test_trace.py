@@ -2,7 +2,6 @@ import inspect
 
 import pytest
 import torch
-from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn.program import info

@@ -1,6 +1,5 @@
 import importlib.util
 import os
-import warnings
 
 import pytest
 import torch

@@ -23,7 +23,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 from torch import fx
 
 from .. import cost, ops
