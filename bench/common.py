@@ -77,6 +77,24 @@ def time_host(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: 
     return quantiles(samples)
 
 
+def capture_graph(fn: Callable[[], Any], warmup: int = 2) -> tuple[Callable[[], None], Any]:
+    """Capture fn() into one CUDA graph after warming up on a side stream: (replay, static output).
+
+    The static output holds real values only after the first replay.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
 def peak_memory_mb(fn: Callable[[], Any]) -> float:
     """Peak CUDA memory (MiB) allocated while `fn` runs once, above what was allocated before."""
     torch.cuda.synchronize()

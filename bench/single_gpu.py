@@ -23,25 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
-from bench.common import peak_memory_mb, print_table, time_variants, write_results
+from bench.common import capture_graph, peak_memory_mb, print_table, time_variants, write_results
 from bench.llama_layers import DTYPE, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, decoder_stack, make_layer
 from dynaflow_fn import transforms as T
 
 DEVICE = torch.device("cuda")
-
-
-def hand_graph(fn):
-    """Capture fn() into one CUDA graph after a warm-up on a side stream; return its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,12 +80,12 @@ def pod_rows() -> list[dict]:
 
         rules = [T.Region("prefill"), T.Region("decode")]
         variants = {
-            "baseline": lambda: hand_graph(lambda: pod(*args)),
-            "hand-2s": lambda: hand_graph(two_streams),
+            "baseline": lambda: capture_graph(lambda: pod(*args)),
+            "hand-2s": lambda: capture_graph(two_streams),
             "df.jit": lambda: _df(pod, args),
             "df.branches": lambda: _df(T.overlap(T.partition(pod, rules=rules), strategy="branches"), args),
-            "prefill-alone": lambda: hand_graph(first),
-            "decode-alone": lambda: hand_graph(second),
+            "prefill-alone": lambda: capture_graph(first),
+            "decode-alone": lambda: capture_graph(second),
         }
         measured = _measure(case, variants, reference)
         alone = {r["variant"]: r["median_ms"] for r in measured}
@@ -156,7 +142,7 @@ def decode_rows(layers: int = 4, context: int = 2048) -> list[dict]:
         static_x = x.clone()
 
         def baseline():
-            replay, out = hand_graph(lambda: decoder_stack(weights, static_x, k_caches, v_caches))
+            replay, out = capture_graph(lambda: decoder_stack(weights, static_x, k_caches, v_caches))
             return (lambda: (static_x.copy_(x), replay())), out
 
         def split(strategy):

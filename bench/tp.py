@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import dynaflow_fn as df
 from bench import llama_layers as L
-from bench.common import print_table, time_variants, write_results
+from bench.common import capture_graph, print_table, time_variants, write_results
 from dynaflow_fn import transforms as T
 
 
@@ -72,20 +72,6 @@ def hand_round_robin(layers, x, k_caches, v_caches, tp, comp, comm):
     return torch.cat(xs)
 
 
-def hand_graph(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
-
-
 def in_place_all_reduce(t):
     dist.all_reduce(t)
     return t
@@ -115,9 +101,9 @@ def run_case(tokens, context, layers, tp, device):
 
     comp, comm = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
     variants = {
-        "baseline": lambda: hand_graph(lambda: stack(weights, x, k_caches, v_caches, tp, in_place_all_reduce)),
-        "bound": lambda: hand_graph(lambda: stack(weights, x, k_caches, v_caches, tp, None)),
-        "hand-rr2": lambda: hand_graph(lambda: hand_round_robin(weights, x, k_caches, v_caches, tp, comp, comm)),
+        "baseline": lambda: capture_graph(lambda: stack(weights, x, k_caches, v_caches, tp, in_place_all_reduce)),
+        "bound": lambda: capture_graph(lambda: stack(weights, x, k_caches, v_caches, tp, None)),
+        "hand-rr2": lambda: capture_graph(lambda: hand_round_robin(weights, x, k_caches, v_caches, tp, comp, comm)),
         "df.jit": lambda: jitted(functional),
         "df.rr2": lambda: jitted(overlapped("roundrobin")),
         "df.tbo2": lambda: jitted(overlapped("tbo")),
