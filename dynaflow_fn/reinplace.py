@@ -25,6 +25,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import ops
+from .plan import Layout
 
 
 def inplace_variant(op: object) -> torch._ops.OpOverload | None:
@@ -114,12 +115,27 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
         if not (allocates(node) or any(r in donated for r in roots)):
             continue
         others = {aliases.root(a) for a in node.all_input_nodes if a not in selves}
-        if len(set(roots)) == len(roots) and all(
+        if len(set(selves)) == len(selves) and _disjoint(selves, roots) and all(
                 _dead_after(node, s, r, v, position, last_read, returned, donated, others)
                 for s, r, v in zip(selves, roots, values)):
             chosen.add(node)
             _merge_results(node, roots, aliases, last_read, returned)
     return chosen
+
+
+def _disjoint(selves: list[fx.Node], roots: list[fx.Node]) -> bool:
+    """Arguments that share memory (slices of one bucket, say) must cover disjoint bytes of it."""
+    spans: dict[fx.Node, list[tuple[int, int]]] = {}
+    for node, root in zip(selves, roots):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return False
+        spans.setdefault(root, []).append(Layout.of(value).byte_range())
+    for ranges in spans.values():
+        ranges.sort()
+        if any(end > start for (_, end), (start, _) in zip(ranges, ranges[1:])):
+            return False
+    return True
 
 
 def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object, position: dict,

@@ -143,3 +143,59 @@ def test_a_rank_that_does_not_join_is_reported_not_waited_for():
 def test_collectives_need_an_initialized_process_group():
     with pytest.raises(df.distributed.DistributedError, match="init_process_group"):
         df.distributed.all_reduce(torch.ones(2))
+
+
+def _data_parallel_steps(rank, world):
+    from models import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    fn, params = df.pure(model)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    optimizer = df.optim.adamw(lr=1e-2)
+    state = optimizer.init(params)
+
+    def train_step(params, state, x, y):
+        loss, grads = df.value_and_grad(lambda p: F.mse_loss(fn(p, x), y))(params)
+        grads = df.distributed.average(grads, bucket_mb=0.01)
+        params, state = optimizer.update(grads, state, params)
+        return params, state, df.distributed.average(loss)
+
+    step = df.jit(T.overlap(train_step, strategy="roundrobin"), donate_argnums=(0, 1))
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 16, generator=generator)
+        rows = slice(4 * rank, 4 * rank + 4)
+        params, state, loss = step(params, state, x[rows], y[rows])
+        losses.append(loss.item())
+    plan = df.verify(step.lower(params, state, x[rows], y[rows]))
+    buckets = sum(1 for s in plan.steps if "all_reduce" in str(s.op) and "wait" not in str(s.op))
+    comm_streams = {s.stream for s in plan.steps if "all_reduce" in str(s.op)}
+    return {k: v.numpy() for k, v in params.items()}, losses, buckets, sorted(comm_streams)
+
+
+def test_data_parallel_step_equals_the_full_batch_step():
+    from models import MLP
+
+    results = _spawn(_data_parallel_steps)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    (params0, losses0, buckets, comm_streams), (params1, losses1, _, _) = (p for _, p in results)
+    assert buckets > 2 and comm_streams != [0]
+    torch.manual_seed(0)
+    model = MLP()
+    fn, params = df.pure(model)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    optimizer = df.optim.adamw(lr=1e-2)
+    state = optimizer.init(params)
+    generator = torch.Generator().manual_seed(1)
+    expected_losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 16, generator=generator)
+        loss, grads = df.value_and_grad(lambda p: F.mse_loss(fn(p, x), y))(params)
+        params, state = optimizer.update(grads, state, params)
+        expected_losses.append(loss.item())
+    assert losses0 == pytest.approx(expected_losses, rel=1e-5) and losses1 == losses0
+    for k in params:
+        torch.testing.assert_close(torch.from_numpy(params0[k]), params[k])
+        torch.testing.assert_close(torch.from_numpy(params1[k]), params[k])
