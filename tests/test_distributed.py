@@ -199,3 +199,19 @@ def test_data_parallel_step_equals_the_full_batch_step():
     for k in params:
         torch.testing.assert_close(torch.from_numpy(params0[k]), params[k])
         torch.testing.assert_close(torch.from_numpy(params1[k]), params[k])
+
+
+def _tp_example(rank, world):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "tp_llama.py")
+    spec = importlib.util.spec_from_file_location("tp_llama", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.run(hidden=128, heads=8, ffn=256, layers=2, batch=4, length=16)
+
+
+def test_tensor_parallel_example_matches_one_device():
+    results = _spawn(_tp_example)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    assert all(error < 1e-5 for _, error in results), results
