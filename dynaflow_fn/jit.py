@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from . import distributed, tree
+from . import autotune, distributed, tree
 from .errors import InputError
 from .lower import lower
 from .plan import Plan
@@ -70,25 +70,42 @@ class _Entry:
             self.executable = EagerExecutable(self.plan, self.plan.device)
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
-        tensors = [leaves[i] for i in self.tensor_positions]
+        return self.plan.unflatten_outputs(self.run([leaves[i] for i in self.tensor_positions]))
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         if self.executable is None:
             self._build(tensors)
         try:
-            outputs = self.executable(tensors)
+            return self.executable(tensors)
         except AdoptedInputMoved:
             self._build(tensors)
-            outputs = self.executable(tensors)
-        return self.plan.unflatten_outputs(outputs)
+            return self.executable(tensors)
+
+    def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
+        """A call of this entry on the given arguments that leaves them unchanged: inputs the plan writes
+        (donated, mutated) are replaced by copies, so timing it many times has no effect outside."""
+        tensors = [leaves[i] for i in self.tensor_positions]
+        for i in self.plan.written_inputs():
+            tensors[i] = tensors[i].clone()
+        return lambda: self.run(tensors)
 
 
 class Jitted:
     """A function compiled per input signature into a static Plan and run by a backend."""
 
     def __init__(self, fn: Callable[..., Any], backend: str, donate_argnums: Sequence[int],
-                 persistent_argnums: Sequence[int], static_outputs: bool):
+                 persistent_argnums: Sequence[int], static_outputs: bool, strategy: str | None = None,
+                 in_axes: Any = None, progress: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if strategy not in (None, "auto"):
+            raise ValueError(f"jit takes strategy=None or 'auto', got {strategy!r}; to fix a strategy, transform "
+                             f"the function: df.jit(T.overlap(fn, strategy={strategy!r}))")
+        if in_axes is not None and strategy != "auto":
+            raise ValueError("in_axes tells strategy='auto' how to micro-batch; pass strategy='auto' with it")
         self.fn = fn
+        self.strategy, self.in_axes, self.progress = strategy, in_axes, progress
+        self.choices: dict[str, tuple[str, dict[str, float]]] = {}
         self.backend = backend
         self.donate_argnums = tuple(donate_argnums)
         self.persistent_argnums = tuple(persistent_argnums)
@@ -120,7 +137,7 @@ class Jitted:
         """The Plan that a call with these arguments runs (built, not run, if not cached yet)."""
         leaves, treedef = optree.tree_flatten((args, kwargs))
         entry = self._cache.get((treedef, _signature(leaves)))
-        return entry.plan if entry is not None else self._plan(args, kwargs)[0]
+        return entry.plan if entry is not None else self._plan(self.fn, args, kwargs)[0]
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, self.captures, len(self._cache))
@@ -138,7 +155,8 @@ class Jitted:
 
     # --- compilation -----------------------------------------------------------------------------
 
-    def _plan(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple[int, ...], frozenset[int], frozenset[int]]:
+    def _plan(self, fn: Callable[..., Any], args: tuple, kwargs: dict
+              ) -> tuple[Plan, tuple[int, ...], frozenset[int], frozenset[int]]:
         paths, leaves, _ = tree.flatten((args, kwargs))
         arg_names = tree.argument_names(self.fn, len(args))
         kinds = tree.classify_leaves(paths, leaves, arg_names)
@@ -153,7 +171,7 @@ class Jitted:
 
         donated = tensors_of(self.donate_argnums, "donate_argnums")
         persistent = tensors_of(self.persistent_argnums, "persistent_argnums")
-        program = trace(self.fn, *args, **kwargs)
+        program = trace(fn, *args, **kwargs)
         donation = _match_donations(program, donated,
                                     [tree.path_to_str(paths[i], arg_names) for i in kinds.tensor_positions],
                                     ["".join(f"[{key!r}]" for key in paths[i][1:]) for i in kinds.tensor_positions])
@@ -163,13 +181,43 @@ class Jitted:
         return plan, kinds.tensor_positions, donated, persistent
 
     def _compile(self, args: tuple, kwargs: dict, key: Any) -> _Entry:
-        entry = _Entry(self, *self._plan(args, kwargs))
+        if self.strategy == "auto" and key is not None:
+            entry = self._autotune(args, kwargs, key)
+        else:
+            entry = _Entry(self, *self._plan(self.fn, args, kwargs))
         self.misses += 1
         if key is not None:
             if len(self._cache) >= RETRACE_WARNING_ENTRIES:
                 self._warn_retracing(next(reversed(self._cache)), key, args, kwargs)
             self._cache[key] = entry
         return entry
+
+    def _autotune(self, args: tuple, kwargs: dict, key: Any) -> _Entry:
+        """Pick this signature's strategy: from the on-disk decision, or by timing the candidates."""
+        import torch.distributed as dist
+
+        leaves = optree.tree_leaves((args, kwargs))
+        device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        signature = repr(key)
+        decision = autotune.decision_key(self.fn, signature, device, world)
+        options = {c.name: c.fn for c in autotune.candidates(self.fn, self.in_axes)}
+        choice = autotune.load_decision(decision)
+        if choice in options:
+            self.choices[signature] = (choice, {})
+            return _Entry(self, *self._plan(options[choice], args, kwargs))
+        built: dict[str, _Entry] = {}
+
+        def time_candidate(name: str) -> float:
+            built[name] = _Entry(self, *self._plan(options[name], args, kwargs))
+            return autotune.median_ms(built[name].benchmark(leaves), device)
+
+        timings = autotune.measure(list(options), time_candidate, self.progress)
+        choice = autotune.agree(autotune.choose(timings))
+        if world == 1 or dist.get_rank() == 0:
+            autotune.store_decision(decision, choice, timings)
+        self.choices[signature] = (choice, timings)
+        return built.get(choice) or _Entry(self, *self._plan(options[choice], args, kwargs))
 
     def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict) -> None:
         warnings.warn(
@@ -236,7 +284,8 @@ def _leaf_text(leaf_key: tuple) -> str:
 
 
 def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_argnums: Sequence[int] = (),
-        persistent_argnums: Sequence[int] = (), static_outputs: bool = False) -> Any:
+        persistent_argnums: Sequence[int] = (), static_outputs: bool = False, strategy: str | None = None,
+        in_axes: Any = None, progress: bool = True) -> Any:
     """Compile `fn` into a static Plan per input signature and run it with a backend.
 
     backend: "auto" (a CUDA graph on CUDA, the eager interpreter elsewhere), "cudagraph" or "eager".
@@ -248,12 +297,17 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
         and donated arguments are always read in place.
     static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph backend):
         faster, but the next call overwrites them.
+    strategy: None runs `fn` as given (transform it to choose a strategy yourself); "auto" times candidate
+        strategies on the device for each new input signature and keeps the fastest, never slower than no
+        overlap, remembering the choice on disk (see `autotune`). `in_axes` (as for `T.microbatch`) lets
+        it try micro-batched candidates; `progress` shows a progress bar while it measures.
 
     >>> fast = df.jit(fn)
     >>> y = fast(params, x)          # traces, lowers and captures on the first call
     >>> print(fast.lower(params, x)) # the Plan
     """
+    options = dict(backend=backend, donate_argnums=donate_argnums, persistent_argnums=persistent_argnums,
+                   static_outputs=static_outputs, strategy=strategy, in_axes=in_axes, progress=progress)
     if fn is None:
-        return functools.partial(jit, backend=backend, donate_argnums=donate_argnums,
-                                 persistent_argnums=persistent_argnums, static_outputs=static_outputs)
-    return Jitted(fn, backend, donate_argnums, persistent_argnums, static_outputs)
+        return functools.partial(jit, **options)
+    return Jitted(fn, **options)

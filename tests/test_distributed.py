@@ -215,3 +215,36 @@ def test_tensor_parallel_example_matches_one_device():
     results = _spawn(_tp_example)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
     assert all(error < 1e-5 for _, error in results), results
+
+
+def _auto_on_two_ranks(rank, world):
+    import tempfile
+
+    from dynaflow_fn import autotune
+
+    os.environ["DYNAFLOW_CACHE_DIR"] = tempfile.mkdtemp()
+    preferred = "microbatch2-roundrobin" if rank == 0 else "microbatch2-tbo"
+
+    def measure(names, time_candidate, progress=True):
+        for name in names:
+            time_candidate(name)
+        return {name: (1.0 if name == preferred else 10.0) for name in names}
+
+    autotune.measure = measure
+    w1, w2 = _weights()
+    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    fast = df.jit(_tensor_parallel_mlp, strategy="auto", in_axes=(0, None, None), progress=False)
+    out = fast(x, w1, w2)
+    (choice, _), = fast.choices.values()
+    return choice, out.numpy()
+
+
+def test_auto_follows_rank_0_on_every_rank():
+    results = _spawn(_auto_on_two_ranks)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    (choice0, out0), (choice1, out1) = (p for _, p in results)
+    assert choice0 == choice1 == "microbatch2-roundrobin"
+    w1, w2 = _weights()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(torch.from_numpy(out1), F.gelu(x @ w1) @ w2, rtol=1e-5, atol=1e-5)

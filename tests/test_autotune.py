@@ -1,0 +1,83 @@
+import json
+
+import pytest
+import torch
+
+import dynaflow_fn as df
+from dynaflow_fn import autotune
+from models import MLP
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAFLOW_CACHE_DIR", str(tmp_path))
+
+
+def _fixed_timings(times):
+    """Stands in for measuring: builds and runs every candidate as usual, then reports `times`."""
+    def measure(names, time_candidate, progress=True):
+        for name in names:
+            time_candidate(name)
+        return dict(times)
+    return measure
+
+
+def test_auto_picks_a_candidate_and_matches_eager():
+    fn, params = df.pure(MLP())
+    fast = df.jit(fn, strategy="auto", in_axes=(None, 0), progress=False)
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(fast(params, x), fn(params, x))
+    (choice, timings), = fast.choices.values()
+    assert set(timings) == {"none", "branches", "microbatch2-roundrobin", "microbatch2-tbo",
+                            "microbatch4-roundrobin", "microbatch4-tbo"}
+    assert choice == autotune.choose(timings)
+
+
+@pytest.mark.parametrize("best, expected", [(9.9, "none"), (5.0, "microbatch2-tbo")])
+def test_auto_never_picks_a_strategy_that_does_not_beat_no_overlap(monkeypatch, best, expected):
+    times = {"none": 10.0, "branches": 12.0, "microbatch2-roundrobin": 11.0, "microbatch2-tbo": best,
+             "microbatch4-roundrobin": 13.0, "microbatch4-tbo": 14.0}
+    monkeypatch.setattr(autotune, "measure", _fixed_timings(times))
+    fn, params = df.pure(MLP())
+    fast = df.jit(fn, strategy="auto", in_axes=(None, 0), progress=False)
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(fast(params, x), fn(params, x))
+    (choice, _), = fast.choices.values()
+    assert choice == expected
+
+
+def test_decisions_are_stored_and_reused_without_measuring(monkeypatch):
+    fn, params = df.pure(MLP())
+    x = torch.randn(8, 32)
+    first = df.jit(fn, strategy="auto", in_axes=(None, 0), progress=False)
+    first(params, x)
+    (choice, _), = first.choices.values()
+    with open(autotune.cache_path()) as f:
+        stored = json.load(f)
+    assert [entry["choice"] for entry in stored.values()] == [choice]
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(autotune, "measure", no_measuring)
+    second = df.jit(fn, strategy="auto", in_axes=(None, 0), progress=False)
+    torch.testing.assert_close(second(params, x), fn(params, x))
+    assert list(second.choices.values()) == [(choice, {})]
+
+
+def test_auto_leaves_donated_arguments_to_the_real_call():
+    def step(state, x):
+        return {"w": state["w"] + x.sum()}, state["w"].mean()
+
+    state = {"w": torch.zeros(4)}
+    x = torch.ones(3)
+    fast = df.jit(step, strategy="auto", donate_argnums=(0,), progress=False)
+    new_state, _ = fast(state, x)
+    assert new_state["w"].tolist() == [3.0] * 4 and new_state["w"] is state["w"]
+
+
+def test_strategy_must_be_none_or_auto():
+    with pytest.raises(ValueError, match=r"T.overlap\(fn, strategy='tbo'\)"):
+        df.jit(lambda x: x, strategy="tbo")
+    with pytest.raises(ValueError, match="in_axes tells strategy='auto'"):
+        df.jit(lambda x: x, in_axes=0)
