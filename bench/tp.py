@@ -9,7 +9,8 @@ Variants, each one CUDA graph over the whole stack:
   df.jit       dynaflow_fn with no transforms
   df.rr2       microbatch(2) + overlap("roundrobin"): micro-batch streams and a high-priority comm stream
   df.tbo2      microbatch(2) + overlap("tbo")
-Rank 0 prints medians and ratios and writes bench/results/tp<N>.json.
+Rank 0 prints medians, ratios, the share of the collective time hidden ((baseline - t) / (baseline -
+bound)) and the peak memory of building each variant, and writes bench/results/tp<N>.json.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 import dynaflow_fn as df
 from bench import llama_layers as L
-from bench.common import capture_graph, print_table, time_variants, write_results
+from bench.common import capture_graph, peak_memory_mb, print_table, time_variants, write_results
 from dynaflow_fn import transforms as T
 
 
@@ -108,10 +109,12 @@ def run_case(tokens, context, layers, tp, device):
         "df.rr2": lambda: jitted(overlapped("roundrobin")),
         "df.tbo2": lambda: jitted(overlapped("tbo")),
     }
-    built = {}
+    built, memory = {}, {}
     for name, build in variants.items():
         try:
-            built[name] = build()
+            holder = {}
+            memory[name] = peak_memory_mb(lambda: holder.setdefault("built", build()))
+            built[name] = holder["built"]
         except Exception as error:
             if dist.get_rank() == 0:
                 print(f"{name} failed: {type(error).__name__}: {error}")
@@ -123,7 +126,8 @@ def run_case(tokens, context, layers, tp, device):
     for name, (_, out) in built.items():
         median = timings[name]["median_ms"]
         rows.append({"case": f"TP={tp}, {layers} layers, {tokens} tokens", "variant": name, **timings[name],
-                     "speedup_vs_baseline": base / median,
+                     "speedup_vs_baseline": base / median, "peak_mem_mb": memory[name],
+                     "mem_vs_baseline": memory[name] / max(memory["baseline"], 1e-9),
                      "hidden_fraction": (base - median) / (base - bound) if base > bound else None,
                      "rel_err": ((out.float() - reference).norm() / reference.norm()).item()})
     return rows
@@ -145,7 +149,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline",
-                           "hidden_fraction", "rel_err"], f"tensor-parallel overlap ({torch.cuda.get_device_name()})")
+                           "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "rel_err"], f"tensor-parallel overlap ({torch.cuda.get_device_name()})")
         print(f"\nwrote {write_results(f'tp{tp}', rows)}")
     dist.destroy_process_group()
 
