@@ -1,6 +1,6 @@
 """Run every benchmark this machine can run, then write the report.
 
-    python -m bench              # 1 GPU: overhead, single_gpu, train; N >= 2 GPUs: also tp under torchrun
+    python -m bench              # 1 GPU: overhead, single_gpu, train; N >= 2 GPUs: also tp and dp under torchrun
     python -m bench --report     # only rebuild bench/results/README.md and the plots from the JSON files
 """
 
@@ -26,8 +26,9 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", module], check=True)
         gpus = torch.cuda.device_count()
         if gpus >= 2:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "-m",
-                            "bench.tp"], check=True)
+            for module in ("bench.tp", "bench.dp"):
+                subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "-m",
+                                module], check=True)
     from bench import report
 
     report.main()
