@@ -19,6 +19,16 @@ import torch
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
+def init_distributed() -> torch.device:
+    """Under torchrun: this rank's GPU, with an NCCL process group bound to it."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

@@ -14,13 +14,11 @@ global tokens/s and ratios, and writes bench/results/dp<N>.json.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 import dynaflow_fn as df
-from bench.common import print_table, time_variants, write_results
+from bench.common import init_distributed, print_table, time_variants, write_results
 from bench.train import VOCAB, cross_entropy, make_model
 from dynaflow_fn import transforms as T
 
@@ -55,10 +53,7 @@ def df_step(ids: torch.Tensor, device: torch.device):
 
 
 def main() -> None:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_distributed()
     world = dist.get_world_size()
     rows = []
     for batch, tokens in ((1, 256), (4, 2048)):

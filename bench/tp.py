@@ -16,14 +16,12 @@ bound)) and the peak memory of building each variant, and writes bench/results/t
 from __future__ import annotations
 
 import argparse
-import os
-
 import torch
 import torch.distributed as dist
 
 import dynaflow_fn as df
 from bench import llama_layers as L
-from bench.common import capture_graph, peak_memory_mb, print_table, time_variants, write_results
+from bench.common import init_distributed, capture_graph, peak_memory_mb, print_table, time_variants, write_results
 from dynaflow_fn import transforms as T
 
 
@@ -138,10 +136,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="*", default=[4096, 16384])
     parser.add_argument("--layers", type=int, default=4)
     options = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_distributed()
     tp = dist.get_world_size()
     rows = []
     for tokens in options.tokens:

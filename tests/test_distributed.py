@@ -145,15 +145,19 @@ def test_collectives_need_an_initialized_process_group():
         df.distributed.all_reduce(torch.ones(2))
 
 
-def _data_parallel_steps(rank, world):
+def _mlp_training():
+    """The same initial MLP, AdamW and state on every rank and in the one-process reference."""
     from models import MLP
 
     torch.manual_seed(0)
-    model = MLP()
-    fn, params = df.pure(model)
+    fn, params = df.pure(MLP())
     params = {k: v.detach().clone() for k, v in params.items()}
     optimizer = df.optim.adamw(lr=1e-2)
-    state = optimizer.init(params)
+    return fn, params, optimizer, optimizer.init(params)
+
+
+def _data_parallel_steps(rank, world):
+    fn, params, optimizer, state = _mlp_training()
 
     def train_step(params, state, x, y):
         loss, grads = df.value_and_grad(lambda p: F.mse_loss(fn(p, x), y))(params)
@@ -176,18 +180,11 @@ def _data_parallel_steps(rank, world):
 
 
 def test_data_parallel_step_equals_the_full_batch_step():
-    from models import MLP
-
     results = _spawn(_data_parallel_steps)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
     (params0, losses0, buckets, comm_streams), (params1, losses1, _, _) = (p for _, p in results)
     assert buckets > 2 and comm_streams != [0]
-    torch.manual_seed(0)
-    model = MLP()
-    fn, params = df.pure(model)
-    params = {k: v.detach().clone() for k, v in params.items()}
-    optimizer = df.optim.adamw(lr=1e-2)
-    state = optimizer.init(params)
+    fn, params, optimizer, state = _mlp_training()
     generator = torch.Generator().manual_seed(1)
     expected_losses = []
     for _ in range(3):
