@@ -53,7 +53,6 @@ class _Entry:
         self.jitted = jitted
         self.plan = plan
         self.tensor_positions = tensor_positions
-        self.donated = donated
         self.in_place = donated | persistent
         self.backend = jitted.resolve_backend(plan.device)
         self.executable: Any = None
@@ -134,7 +133,8 @@ class Jitted:
         return trace(self.fn, *args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
-        """The Plan that a call with these arguments runs (built, not run, if not cached yet)."""
+        """The Plan that a call with these arguments runs (built, not run, if not cached yet; with
+        strategy="auto" and no call yet, the plan without overlap, since choosing needs running)."""
         leaves, treedef = optree.tree_flatten((args, kwargs))
         entry = self._cache.get((treedef, _signature(leaves)))
         return entry.plan if entry is not None else self._plan(self.fn, args, kwargs)[0]

@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import memory, ops
 from .errors import ScheduleError
 from .ordering import Clocks
-from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
+from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind, step_reads, step_writes
 from .program import Program, contiguous_strides, info
 from .reinplace import inplace_variant, mutated_arguments, plan_inplace
 
@@ -519,14 +519,11 @@ def _map_nodes(arg: Any, fn: Callable[[fx.Node], Any]) -> Any:
 
 
 def _reads(step: Any) -> tuple[int, ...]:
-    if step.kind is StepKind.COPY:
-        return tuple(r.slot for r in step.args[1:] if isinstance(r, Ref))
-    refs = optree.tree_leaves((step.args, step.kwargs), is_leaf=lambda x: isinstance(x, Ref), none_is_leaf=True)
-    return tuple(dict.fromkeys(r.slot for r in refs if isinstance(r, Ref)))
+    return step_reads(step.kind, step.args, step.kwargs)
 
 
 def _writes(step: Any) -> tuple[int, ...]:
-    return tuple(step.outputs) if step.kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY) else ()
+    return step_writes(step.kind, step.outputs)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

@@ -117,13 +117,24 @@ class Step:
     result_indices: tuple[int, ...] = ()   # ALLOC/VIEW of a multi-result op: which result feeds each output
 
     def reads(self) -> tuple[int, ...]:
-        """Slots whose data this step reads (for a VIEW: the base, whose data the view exposes)."""
-        refs = [leaf.slot for leaf in optree.tree_leaves((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, Ref))
-                if isinstance(leaf, Ref)]
-        return tuple(dict.fromkeys(refs))
+        return step_reads(self.kind, self.args, self.kwargs)
 
     def writes(self) -> tuple[int, ...]:
-        return self.outputs if self.kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY) else ()
+        return step_writes(self.kind, self.outputs)
+
+
+def step_reads(kind: StepKind, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """Slots whose data a step reads: its slot arguments (for a VIEW, the base whose data the view
+    exposes), except the destination of a COPY, which is only written."""
+    if kind is StepKind.COPY:
+        args = args[1:]
+    refs = optree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, Ref), none_is_leaf=True)
+    return tuple(dict.fromkeys(leaf.slot for leaf in refs if isinstance(leaf, Ref)))
+
+
+def step_writes(kind: StepKind, outputs: tuple[int, ...]) -> tuple[int, ...]:
+    """Slots a step writes data into (views and fork/join write nothing)."""
+    return tuple(outputs) if kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY) else ()
 
 
 @dataclass(frozen=True)
@@ -234,8 +245,8 @@ def format_plan(plan: Plan) -> str:
                                   for s in plan.streams),
         f"# {len(plan.steps)} steps, {len(plan.kernel_steps())} launch kernels, {plan.num_events} events",
         f"# arena: {format_bytes(plan.arena_nbytes)} holding {len(arena)} buffers "
-        f"({format_bytes(sum(s.nbytes for s in arena))} unshared); outputs: {len(outputs)} buffers, "
-        f"{format_bytes(sum(s.nbytes for s in outputs))}",
+        f"({format_bytes(plan.storage_bytes(StorageKind.ARENA))} unshared); outputs: {len(outputs)} buffers, "
+        f"{format_bytes(plan.storage_bytes(StorageKind.OUTPUT))}",
         f"# allocates: {len(allocs)} steps" + (" (" + ", ".join(sorted({op_name(s.op) for s in allocs})) + ")" if allocs else ""),
         f"# copies: {len(copies)} steps" + (" (" + ", ".join(sorted({s.note or 'copy' for s in copies})) + ")" if copies else ""),
     ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import optree
 import torch
@@ -139,10 +139,6 @@ class Program:
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
-
-    @property
-    def nodes(self) -> Iterator[fx.Node]:
-        return iter(self.graph.nodes)
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]

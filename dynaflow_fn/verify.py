@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import VerificationError
 from .ordering import Clocks
-from .plan import Plan, Step, StepKind, StorageKind, format_step
+from .plan import Plan, StepKind, StorageKind, format_step
 
 
 def verify(plan: Plan) -> Plan:
@@ -97,7 +97,7 @@ def _check_races(plan: Plan, clocks: Clocks) -> list[str]:
     for step in plan.steps:
         if step.kind is StepKind.VIEW:
             continue
-        for is_write, slots in ((False, _data_reads(step)), (True, step.writes())):
+        for is_write, slots in ((False, step.reads()), (True, step.writes())):
             for slot_index in slots:
                 domain, base = _domain_of(plan, slot_index)
                 lo, hi = plan.slots[slot_index].byte_range()
@@ -127,12 +127,6 @@ def _check_races(plan: Plan, clocks: Clocks) -> list[str]:
                 for j in later[~ok]:
                     problems.append(_race(plan, items[k], items[j], domain))
     return problems
-
-
-def _data_reads(step: Step) -> tuple[int, ...]:
-    if step.kind is StepKind.COPY:
-        return tuple(ref.slot for ref in step.args[1:])
-    return step.reads()
 
 
 def _race(plan: Plan, first: tuple, second: tuple, domain: tuple[str, int]) -> str:
