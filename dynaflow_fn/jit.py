@@ -17,6 +17,7 @@ import torch
 
 from . import autotune, distributed, tree
 from .errors import InputError
+from .inductor import compile_stages
 from .lower import lower
 from .plan import Plan
 from .program import Program, dtype_name
@@ -25,7 +26,7 @@ from .runtime.eager import EagerExecutable
 from .trace import trace
 from .verify import verify
 
-BACKENDS = ("auto", "eager", "cudagraph")
+BACKENDS = ("auto", "eager", "cudagraph", "inductor")
 RETRACE_WARNING_ENTRIES = 8
 
 
@@ -139,6 +140,10 @@ class Jitted:
         entry = self._cache.get((treedef, _signature(leaves)))
         return entry.plan if entry is not None else self._plan(self.fn, args, kwargs)[0]
 
+    def plans(self) -> list[Plan]:
+        """The plans built so far, one per input signature, oldest first."""
+        return [entry.plan for entry in self._cache.values()]
+
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, self.captures, len(self._cache))
 
@@ -146,7 +151,8 @@ class Jitted:
         self._cache.clear()
 
     def resolve_backend(self, device: torch.device) -> str:
-        if self.backend == "auto":
+        """The runtime of a plan: Inductor's stages run inside the same CUDA graph or interpreter."""
+        if self.backend in ("auto", "inductor"):
             return "cudagraph" if device.type == "cuda" else "eager"
         if self.backend == "cudagraph" and device.type != "cuda":
             raise InputError(f"backend='cudagraph' needs CUDA tensors, but the arguments are on {device}; "
@@ -172,6 +178,8 @@ class Jitted:
         donated = tensors_of(self.donate_argnums, "donate_argnums")
         persistent = tensors_of(self.persistent_argnums, "persistent_argnums")
         program = trace(fn, *args, **kwargs)
+        if self.backend == "inductor":
+            program = compile_stages(program, self.progress)
         donation = _match_donations(program, donated,
                                     [tree.path_to_str(paths[i], arg_names) for i in kinds.tensor_positions],
                                     ["".join(f"[{key!r}]" for key in paths[i][1:]) for i in kinds.tensor_positions])
@@ -288,7 +296,8 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
         in_axes: Any = None, progress: bool = True) -> Any:
     """Compile `fn` into a static Plan per input signature and run it with a backend.
 
-    backend: "auto" (a CUDA graph on CUDA, the eager interpreter elsewhere), "cudagraph" or "eager".
+    backend: "auto" (a CUDA graph on CUDA, the eager interpreter elsewhere), "cudagraph", "eager", or
+        "inductor": every stage compiled by TorchInductor, then run like "auto" (see `inductor`).
     donate_argnums: positional arguments whose tensors the function may overwrite: each output with the
         shape, strides and dtype of a donated tensor is written into it in place and returned as it.
     persistent_argnums: positional arguments that persist across calls (parameter dicts with buffers,

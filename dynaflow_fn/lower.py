@@ -169,7 +169,7 @@ class _Lowering:
         if stray:
             raise ScheduleError(f"nodes {stray[:5]} are placed on streams the program does not declare "
                                 f"(it has {streams})")
-        ordered = sorted(nodes, key=lambda n: info(n).order)
+        ordered = self.program.issue_order()
         position = {n: i for i, n in enumerate(ordered)}
         for node in ordered:
             for dep in node.all_input_nodes:
@@ -277,7 +277,7 @@ class _Lowering:
             return
         kind = StorageKind.CONSTANT if hoist else StorageKind.DYNAMIC
         outputs = tuple(self._slot_for_value(node, i, v, False, kind) for i, v in tensors)
-        note = "" if hoist else ("no out= overload" if variant is None else
+        note = "" if hoist else (getattr(op, "note", "no out= overload") if variant is None else
                                  "its out= kernel is not known to write only its result" if not variant.direct else
                                  "out= overload does not fit")
         destination.append(_StepDraft(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,
@@ -312,10 +312,7 @@ class _Lowering:
 
     def _can_hoist(self, node: fx.Node) -> bool:
         """Deterministic work that reads only constants runs once, at bind time."""
-        op = node.target
-        if ops.is_random(op) or ops.is_mutating(op) or ops.is_collective(op):
-            return False
-        return all(dep in self.hoisted for dep in node.all_input_nodes)
+        return ops.can_precompute(node.target) and all(dep in self.hoisted for dep in node.all_input_nodes)
 
     def _is_input_slot(self, node: fx.Node) -> bool:
         return self.storages[self.slots[self.slot_of[(node, 0)]].storage].kind is StorageKind.INPUT

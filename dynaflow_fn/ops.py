@@ -122,6 +122,12 @@ def is_mutating(op: Any) -> bool:
     return isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
 
 
+def can_precompute(op: Any) -> bool:
+    """Whether an op's result is fixed by its inputs alone, so that when those are constants it can be
+    computed once ahead of time: not random, not writing anything, not talking to other ranks."""
+    return not (is_random(op) or is_mutating(op) or is_collective(op))
+
+
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
 
 

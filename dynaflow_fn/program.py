@@ -153,6 +153,14 @@ class Program:
     def is_scheduled(self) -> bool:
         return any(info(n).order is not None for n in self.ops())
 
+    def issue_order(self) -> list[fx.Node]:
+        """The call_function nodes in the order they are issued: the schedule's, else trace order.
+        Nodes sharing a position keep their trace order."""
+        nodes = self.ops()
+        if not self.is_scheduled():
+            return nodes
+        return sorted(nodes, key=lambda n: -1 if info(n).order is None else info(n).order)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = optree.tree_leaves((args, kwargs))
         tensors = [leaf for leaf, spec in zip(leaves, self.inputs) if spec.is_tensor]

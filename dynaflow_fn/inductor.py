@@ -1,0 +1,260 @@
+"""`backend="inductor"`: compile the stages of a Program with TorchInductor, then plan as usual.
+
+Lowering plans aten ops one at a time; Inductor fuses them into Triton (GPU) or C++ (CPU) kernels.
+This pass sits between transforms and lowering. Each *run* (ops that follow each other in issue order
+inside one stage) becomes one node that calls its Inductor-compiled subgraph, and lowering treats that
+node like any op that allocates its results. Streams, events and the single CUDA graph work as before:
+Inductor's kernels launch on the current stream, which is the step's stream, and allocate from the
+caching allocator, which a graph capture serves from its private pool.
+
+What stays aten:
+
+* collectives and their waits (lowering puts them on the comm stream and orders their readers);
+* random ops (Inductor draws different numbers than eager);
+* the write-back of a mutated input (a `copy_` into an argument);
+* work that depends on no input (lowering computes it once, at setup);
+* stages tagged "no-inductor" by a partition rule (`T.Region("attn", tags={"no-inductor"})`);
+* a run Inductor fails to compile, with a warning naming it.
+
+Runs with the same code and input layouts (every layer of a stack, every micro-batch) compile once.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from . import ops
+from .program import NodeInfo, Program, info, op_name
+from .transforms.base import Pass, record
+
+NO_INDUCTOR = "no-inductor"
+
+
+class CompiledRun:
+    """A node target: one run of a stage, compiled by Inductor. `graph_module` keeps its aten code."""
+
+    note = "Inductor kernels"
+
+    def __init__(self, name: str, graph_module: fx.GraphModule, compiled: Callable[..., Any]):
+        self.__name__ = name
+        self.graph_module = graph_module
+        self.compiled = compiled
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return self.compiled(*args)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}: {sum(1 for n in self.graph_module.graph.nodes if n.op == 'call_function')} ops>"
+
+
+class InductorPass(Pass):
+    """Program -> Program: every run of compilable ops becomes a call of its compiled subgraph."""
+
+    def __init__(self, progress: bool = True, compile_fn: Callable[[fx.GraphModule, list], Callable] | None = None):
+        self.progress = progress
+        self.compile_fn = compile_fn or _compile_with_inductor
+        self.compiled = self.fallbacks = 0
+
+    def describe(self) -> str:
+        text = f"inductor({self.compiled} runs"
+        return text + (f", {self.fallbacks} left as aten)" if self.fallbacks else ")")
+
+    def apply(self, program: Program) -> Program:
+        runs = _find_runs(program)
+        cache: dict[Any, Callable | None] = {}
+        calls: list[_Call] = []
+        for run in _progress(runs, self.progress and len(runs) > 1):
+            graph_module, inputs, outputs = _extract(run)
+            key = (_structure(graph_module.graph), tuple(_layout(node.meta["val"]) for node in inputs))
+            if key not in cache:
+                cache[key] = self._compile(graph_module, inputs, run)
+            if cache[key] is not None:
+                target = CompiledRun(f"inductor_{len(calls)}", graph_module, cache[key])
+                calls.append(_Call(run, inputs, outputs, target))
+        self.compiled, self.fallbacks = len(calls), len(runs) - len(calls)
+        new_graph = _rewrite(program, calls)
+        return record(program, program.with_graph(fx.GraphModule(program.graph_module, new_graph)), self)
+
+    def _compile(self, graph_module: fx.GraphModule, inputs: Sequence[fx.Node], run: Sequence[fx.Node]
+                 ) -> Callable | None:
+        try:
+            with torch.no_grad():
+                return self.compile_fn(graph_module, [node.meta["val"] for node in inputs])
+        except Exception as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            warnings.warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
+                          f"({type(error).__name__}: {first_line})", stacklevel=2)
+            return None
+
+
+def compile_stages(program: Program, progress: bool = True) -> Program:
+    """Compile each run of each stage of `program` with Inductor (see the module docstring)."""
+    return InductorPass(progress).apply(program)
+
+
+def _compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph_module, example_inputs)
+
+
+# --- finding runs --------------------------------------------------------------------------------
+
+
+def _find_runs(program: Program) -> list[list[fx.Node]]:
+    """Maximal runs of compilable ops that are consecutive in issue order and share a stage.
+
+    A run is closed under the paths between its members (anything between two members in issue order
+    is a member), so it can be replaced by one call. The `getitem`s of a member's tuple result join
+    its run wherever they are issued. Views and `getitem`s of outside values (a micro-batch's slice of
+    an input) neither join nor break a run: they cost nothing, and keeping them outside lets the
+    micro-batches' runs share one compiled graph.
+    """
+    precomputed = _input_independent(program)
+    runs: list[list[fx.Node]] = []
+    run_of: dict[fx.Node, int] = {}
+    open_key: Any = None
+    for node in program.issue_order():
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            if parent in run_of:
+                runs[run_of[parent]].append(node)
+                run_of[node] = run_of[parent]
+            continue
+        if ops.is_view(node.target) and not any(dep in run_of for dep in node.all_input_nodes):
+            continue
+        if not _compilable(node, precomputed):
+            open_key = None
+            continue
+        node_info = info(node)
+        key = (node_info.stage, node_info.mb, node_info.stream)
+        if open_key != key:
+            runs.append([])
+            open_key = key
+        runs[-1].append(node)
+        run_of[node] = len(runs) - 1
+    return [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
+
+
+def _compilable(node: fx.Node, precomputed: set[fx.Node]) -> bool:
+    op = node.target
+    return (isinstance(op, torch._ops.OpOverload) and ops.can_precompute(op) and node not in precomputed
+            and NO_INDUCTOR not in info(node).tags)
+
+
+def _input_independent(program: Program) -> set[fx.Node]:
+    """Nodes that lowering computes once at setup: they read only constants."""
+    independent = {n for n in program.graph.nodes if n.op == "get_attr"}
+    for node in program.ops():
+        if ops.can_precompute(node.target) and all(dep in independent for dep in node.all_input_nodes):
+            independent.add(node)
+    return independent
+
+
+# --- extracting and replacing a run ----------------------------------------------------------------
+
+
+def _extract(run: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """The run as a standalone graph: its outside inputs become placeholders, and every tensor a
+    non-member reads (or the program returns) becomes an output."""
+    members = set(run)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:
+            placeholder = graph.placeholder(f"in{len(inputs)}")
+            placeholder.meta["val"] = node.meta["val"]
+            env[node] = placeholder
+            inputs.append(node)
+        return env[node]
+
+    for node in run:
+        env[node] = graph.node_copy(node, lookup)
+    outputs = [n for n in run if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)]
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A run to replace: its ops, the outside values it reads, the values it provides, the target."""
+
+    run: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    target: CompiledRun
+
+
+def _rewrite(program: Program, calls: Sequence[_Call]) -> fx.Graph:
+    """A copy of the program's graph, in issue order, with each run replaced by its call.
+
+    The call goes where the run's last op was issued (every outside input is issued before it, every
+    outside reader after it) and takes that op's annotations; its results keep the names of the
+    values they replace, so plans and printouts still read in terms of the traced program.
+    """
+    call_at = {next(n for n in reversed(c.run) if n.target is not operator.getitem): c for c in calls}
+    replaced = {node for c in calls for node in c.run}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in program.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            env[node] = graph.node_copy(node, env.__getitem__)
+    for node in program.issue_order():
+        if node in call_at:
+            _emit_call(graph, env, call_at[node], info(node))
+        elif node not in replaced:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(fx.node.map_arg(program.output_node().args[0], env.__getitem__))
+    graph.lint()
+    return graph
+
+
+def _emit_call(graph: fx.Graph, env: dict[fx.Node, fx.Node], call: _Call, node_info: NodeInfo) -> None:
+    node = graph.call_function(call.target, tuple(env[n] for n in call.inputs))
+    node.meta["val"] = tuple(n.meta["val"] for n in call.outputs)
+    node.meta["df"] = node_info
+    for index, output in enumerate(call.outputs):
+        result = graph.create_node("call_function", operator.getitem, (node, index), name=output.name)
+        result.meta["val"] = output.meta["val"]
+        result.meta["df"] = node_info
+        env[output] = result
+
+
+def _structure(graph: fx.Graph) -> tuple:
+    """The graph's computation with node names replaced by positions: equal for every layer's copy."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    rename = lambda arg: fx.node.map_arg(arg, lambda node: position[node])
+    return tuple((node.op, str(node.target), repr(rename(node.args)), repr(rename(node.kwargs)))
+                 for node in graph.nodes)
+
+
+def _layout(value: Any) -> Any:
+    """What a compiled graph assumes about an input: shape, strides, dtype, device and whether it is
+    16-byte aligned (Inductor's kernels may rely on it)."""
+    if isinstance(value, torch.Tensor):
+        aligned = value.storage_offset() * value.element_size() % 16 == 0
+        return (tuple(value.shape), value.stride(), value.dtype, value.device, aligned)
+    return repr(value)
+
+
+def _describe(run: Sequence[fx.Node]) -> str:
+    node_info = info(run[0])
+    where = f"stage {node_info.stage}" if node_info.stage is not None else "the program"
+    names = ", ".join(op_name(n.target) for n in run[:3]) + (", ..." if len(run) > 3 else "")
+    return f"{where} ({len(run)} ops from {run[0].name}: {names})"
+
+
+def _progress(runs: list, enabled: bool) -> Any:
+    if not enabled:
+        return runs
+    from tqdm.auto import tqdm
+
+    return tqdm(runs, desc="inductor: compiling stages", unit="run", leave=False)

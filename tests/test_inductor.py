@@ -1,0 +1,147 @@
+"""backend="inductor" and df.compile_backend, against eager PyTorch on the CPU (Inductor's C++ kernels)."""
+
+import warnings
+
+import pytest
+import torch
+
+import dynaflow_fn as df
+from dynaflow_fn import inductor
+from dynaflow_fn import transforms as T
+from models import MLP, Block, llama_logits, tiny_llama
+
+
+def _compiled_steps(plan):
+    return [step for step in plan.steps if isinstance(step.op, inductor.CompiledRun)]
+
+
+def _aten_ops(plan):
+    return {step.op.overloadpacket.__name__ for step in plan.steps if isinstance(step.op, torch._ops.OpOverload)}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["whole", "microbatch2-roundrobin"])
+def test_inductor_matches_eager_for_an_mlp(overlap):
+    fn, params = df.pure(MLP())
+    step = T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), "roundrobin") if overlap else fn
+    fast = df.jit(step, backend="inductor", progress=False)
+    for _ in range(2):
+        x = torch.randn(8, 32)
+        torch.testing.assert_close(fast(params, x), fn(params, x), rtol=1e-4, atol=1e-5)
+    plan = fast.lower(params, x)
+    df.verify(plan)
+    assert len(_compiled_steps(plan)) == (3 if overlap else 1)   # each micro-batch, and the merge
+    assert "mm" not in _aten_ops(plan) and "addmm" not in _aten_ops(plan)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["whole", "microbatch2-tbo"])
+def test_inductor_matches_eager_for_a_tiny_hf_llama(overlap):
+    model = tiny_llama()
+    logits, params = llama_logits(model)
+    step = T.overlap(T.microbatch(logits, num=2, in_axes=(None, 0)), "tbo") if overlap else logits
+    fast = df.jit(step, backend="inductor", progress=False)
+    ids = torch.randint(0, 128, (2, 12))
+    torch.testing.assert_close(fast(params, ids), model(ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+    plan = fast.lower(params, ids)
+    df.verify(plan)
+    assert _compiled_steps(plan)
+
+
+def test_identical_runs_compile_once(monkeypatch):
+    compiled_graphs = []
+    real = inductor._compile_with_inductor
+    monkeypatch.setattr(inductor, "_compile_with_inductor",
+                        lambda gm, inputs: compiled_graphs.append(gm.code) or real(gm, inputs))
+    fn, params = df.pure(MLP())
+    step = T.overlap(T.microbatch(fn, num=4, in_axes=(None, 0)), "roundrobin")
+    plan = df.jit(step, backend="inductor", progress=False).lower(params, torch.randn(8, 32))
+    assert len(_compiled_steps(plan)) == 5                          # four micro-batches and the merge
+    assert len(compiled_graphs) == 2 == len(set(compiled_graphs))   # one micro-batch body, one merge
+
+
+def test_stages_tagged_no_inductor_stay_aten():
+    fn, params = df.pure(Block())
+    step = T.overlap(T.partition(fn, rules=[T.Region("attn", tags={inductor.NO_INDUCTOR})]), "sequential")
+    fast = df.jit(step, backend="inductor", progress=False)
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(fast(params, x), fn(params, x), rtol=1e-4, atol=1e-5)
+    plan = fast.lower(params, x)
+    attention_ops = {name for name in _aten_ops(plan) if "scaled_dot_product" in name}
+    assert attention_ops, "the attention stage should keep its aten kernels"
+    assert "gelu" not in _aten_ops(plan)                            # the MLP stage was compiled
+    assert _compiled_steps(plan)
+
+
+def test_a_run_inductor_rejects_falls_back_to_aten_with_a_warning(monkeypatch):
+    real = inductor._compile_with_inductor
+
+    def reject_tanh(gm, inputs):
+        if any(node.target is torch.ops.aten.tanh.default for node in gm.graph.nodes):
+            raise RuntimeError("no lowering for tanh")
+        return real(gm, inputs)
+
+    monkeypatch.setattr(inductor, "_compile_with_inductor", reject_tanh)
+
+    def fn(x, y):
+        with df.region("left"):
+            left = torch.relu(x @ x.T)
+        with df.region("right"):
+            right = torch.tanh(y * 2).sum(-1, keepdim=True)
+        return left + right
+
+    step = T.overlap(T.partition(fn, rules=[T.Region("left"), T.Region("right")]), "branches")
+    fast = df.jit(step, backend="inductor", progress=False)
+    x, y = torch.randn(6, 4), torch.randn(6, 5)
+    with pytest.warns(UserWarning, match=r"Inductor could not compile stage \d+ .*tanh.*no lowering for tanh"):
+        out = fast(x, y)
+    torch.testing.assert_close(out, fn(x, y))
+    plan = fast.lower(x, y)
+    df.verify(plan)
+    assert "tanh" in _aten_ops(plan) and _compiled_steps(plan)
+
+
+class FlagModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x, gated: bool):
+        h = self.up(x)
+        h = h * torch.sigmoid(h) if gated else torch.relu(h)   # Python branch on a non-tensor flag
+        return self.down(h) + x
+
+
+@pytest.mark.parametrize("backend", ["auto", "inductor"])
+def test_compile_backend_follows_python_branches_on_a_flag(backend):
+    model = FlagModel().eval()
+    compile_backend = df.compile_backend(backend=backend, progress=False)
+    compiled = torch.compile(model, backend=compile_backend, dynamic=False)
+    with torch.no_grad():
+        for gated in (True, False, True):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(compiled(x, gated), model(x, gated), rtol=1e-4, atol=1e-5)
+    assert len(compile_backend.graphs) == 2                              # one captured graph per branch
+    assert [g.cache_info().misses for g in compile_backend.graphs] == [1, 1]
+
+
+def test_compile_backend_applies_transforms_to_each_captured_graph():
+    model = tiny_llama()
+    compile_backend = df.compile_backend(transforms=T.overlap(strategy="branches"), progress=False)
+    compiled = torch.compile(model, backend=compile_backend, dynamic=False)
+    ids = torch.randint(0, 128, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    provenance = [plan.provenance for jitted in compile_backend.graphs for plan in jitted.plans()]
+    assert provenance and all(any(p.startswith("overlap(branches") for p in passes) for passes in provenance)
+
+
+def test_compile_backend_with_gradients_enabled_is_an_error():
+    compiled = torch.compile(FlagModel(), backend=df.compile_backend(progress=False), dynamic=False)
+    with pytest.raises(Exception, match="torch.no_grad"):
+        compiled(torch.randn(4, 16), True)
+
+
+def test_compile_backend_needs_static_shapes():
+    compiled = torch.compile(FlagModel(), backend=df.compile_backend(progress=False), dynamic=True)
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(Exception, match="dynamic=False"):
+        compiled(torch.randn(4, 16), True)
