@@ -8,6 +8,7 @@
 
 from . import distributed, optim, transforms
 from .autodiff import grad, value_and_grad
+from .dynamo import CompileBackend, compile_backend
 from .errors import DynaflowError, InputError, ScheduleError, TraceError, TransformError, VerificationError
 from .jit import CacheInfo, Jitted, jit
 from .lower import lower
@@ -20,7 +21,7 @@ from .transforms.schedule import Scheduler
 from .verify import verify
 
 __all__ = [
-    "CacheInfo", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",
-    "TraceError", "TransformError", "VerificationError", "distributed", "grad", "jit", "lower", "optim", "pure", "region", "trace",
+    "CacheInfo", "CompileBackend", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",
+    "TraceError", "TransformError", "VerificationError", "compile_backend", "distributed", "grad", "jit", "lower", "optim", "pure", "region", "trace",
     "transforms", "value_and_grad", "verify",
 ]

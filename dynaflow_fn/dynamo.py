@@ -1,0 +1,74 @@
+"""`df.compile_backend`: dynaflow_fn behind `torch.compile`, for unmodified modules.
+
+TorchDynamo reads the model's Python, keeps its control flow on non-tensor values as guards and
+hands each straight-line graph it captures to a backend, with graph breaks where it cannot follow.
+This backend gives every captured graph to `df.jit`: the graph is traced to aten, transformed,
+lowered to a static plan and replayed (one CUDA graph on CUDA), exactly as a function written for
+dynaflow_fn would be.
+
+    model = torch.compile(model, backend=df.compile_backend(backend="inductor"), dynamic=False)
+    with torch.no_grad():
+        logits = model(input_ids)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from .errors import InputError
+from .jit import Jitted, jit
+
+
+class CompileBackend:
+    """A `torch.compile` backend that runs each captured graph through `df.jit`.
+
+    `graphs` lists the jitted function of every graph Dynamo handed over, in order, so their plans
+    can be inspected: `backend.graphs[0].plans()`.
+    """
+
+    def __init__(self, strategy: str | None, transforms: Callable[[Callable], Callable] | None, backend: str,
+                 jit_options: dict[str, Any]):
+        self.strategy = strategy
+        self.transforms = transforms
+        self.backend = backend
+        self.jit_options = jit_options
+        self.graphs: list[Jitted] = []
+
+    def __call__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        _check_inputs(example_inputs)
+        fn = graph_module.forward
+        if self.transforms is not None:
+            fn = self.transforms(fn)
+        jitted = jit(fn, backend=self.backend, strategy=self.strategy, **self.jit_options)
+        self.graphs.append(jitted)
+        return jitted
+
+
+def _check_inputs(example_inputs: Sequence[Any]) -> None:
+    dynamic = [type(value).__name__ for value in example_inputs if not isinstance(value, torch.Tensor)]
+    if dynamic:
+        raise InputError(f"Dynamo passed symbolic sizes ({', '.join(dynamic)}); dynaflow_fn plans are static: "
+                         f"compile with torch.compile(..., dynamic=False)")
+    if torch.is_grad_enabled() and any(value.requires_grad for value in example_inputs):
+        raise InputError("compile_backend runs inference graphs, but this graph was captured with gradients "
+                         "enabled; call the model under torch.no_grad() or torch.inference_mode(), or write the "
+                         "training step as a function with df.value_and_grad and df.jit it")
+
+
+def compile_backend(strategy: str | None = None, transforms: Callable[[Callable], Callable] | None = None,
+                    backend: str = "auto", **jit_options: Any) -> CompileBackend:
+    """A backend for `torch.compile(model, backend=df.compile_backend(...), dynamic=False)`.
+
+    strategy: None, or "auto" to time candidate strategies per captured graph (see `df.jit`).
+    transforms: a transform applied to each captured graph's function before jit, e.g.
+        `T.overlap(strategy="branches")`. The function takes the graph's flat inputs (parameters and
+        buffers included), so micro-batching needs `in_axes` over those.
+    backend: "auto", "eager", "cudagraph" or "inductor" (Inductor kernels per stage).
+    jit_options: passed on to `df.jit` (static_outputs, progress, ...).
+
+    >>> model = torch.compile(model, backend=df.compile_backend(backend="inductor"), dynamic=False)
+    """
+    return CompileBackend(strategy, transforms, backend, jit_options)
