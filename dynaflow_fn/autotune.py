@@ -28,6 +28,8 @@ from . import transforms as T
 
 NO_OVERLAP = "none"
 MARGIN = 0.02
+COMM_CTAS = (8,)
+"""Thread-block budgets of the dedicated communicators tried on several NCCL ranks."""
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,17 @@ class Candidate:
     fn: Callable[..., Any]
 
 
-def candidates(fn: Callable[..., Any], in_axes: Any = None) -> list[Candidate]:
-    """No overlap first, then the strategies worth trying for this function."""
+def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[int] = ()) -> list[Candidate]:
+    """No overlap first, then the strategies worth trying for this function. `comm_ctas` adds 2
+    micro-batches with collectives on a communicator of that many thread blocks (multi-GPU only)."""
     found = [Candidate(NO_OVERLAP, fn), Candidate("branches", T.overlap(fn, strategy="branches"))]
     if in_axes is not None:
         for num in (2, 4):
             split = T.microbatch(fn, num=num, in_axes=in_axes)
             for strategy in ("roundrobin", "tbo"):
                 found.append(Candidate(f"microbatch{num}-{strategy}", T.overlap(split, strategy=strategy)))
+                found += [Candidate(f"microbatch{num}-{strategy}-ctas{ctas}", T.overlap(split, strategy, comm_ctas=ctas))
+                          for ctas in comm_ctas if num == 2]
     return found
 
 

@@ -209,7 +209,8 @@ class Jitted:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         signature = repr(key)
         decision = autotune.decision_key(self.fn, signature, device, world)
-        options = {c.name: c.fn for c in autotune.candidates(self.fn, self.in_axes)}
+        nccl = world > 1 and dist.get_backend() == "nccl"
+        options = {c.name: c.fn for c in autotune.candidates(self.fn, self.in_axes, autotune.COMM_CTAS if nccl else ())}
         choice = autotune.load_decision(decision)
         if choice in options:
             self.choices[signature] = (choice, {})

@@ -103,6 +103,28 @@ def test_every_rank_builds_the_same_plan_and_matches_one_process():
     torch.testing.assert_close(torch.from_numpy(out1), expected, rtol=1e-5, atol=1e-5)
 
 
+def _on_a_dedicated_communicator(rank, world):
+    w1, w2 = _weights()
+    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    step = T.overlap(T.microbatch(_tensor_parallel_mlp, num=2, in_axes=(0, None, None)), "roundrobin", comm_ctas=4)
+    fast = df.jit(step)
+    out = fast(x, w1, w2)
+    plan = df.verify(fast.lower(x, w1, w2))
+    groups = {s.args[-1] for s in plan.steps if "all_reduce" in str(s.op)}       # (tensor, op, group_name)
+    return groups, dist.group.WORLD.group_name, df.distributed.comm_group(4).group_name, out.numpy()
+
+
+def test_comm_ctas_moves_collectives_to_a_dedicated_communicator():
+    results = _spawn(_on_a_dedicated_communicator)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    w1, w2 = _weights()
+    expected = F.gelu(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ w1) @ w2
+    for groups, world_name, dedicated_name, out in (p for _, p in results):
+        assert groups == {dedicated_name} and dedicated_name != world_name
+        torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
+
+
 def _mismatched_shapes(rank, world):
     w1, w2 = _weights()
     x = torch.randn(4 + 2 * rank, 16)

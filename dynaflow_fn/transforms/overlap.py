@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import ScheduleError, TransformError
-from ..program import NodeInfo, Program, Stream, info
+from ..program import NodeInfo, Program, Stream, copy_graph_module, info
 from .base import Pass, apply_transform, record
 from .partition import Kind, PartitionPass
 from .schedule import Issue, Scheduler, StageGraph, resolve
@@ -20,17 +20,23 @@ DEFAULT_RULES = (Kind("comm"), Kind("compute"))
 
 
 class OverlapPass(Pass):
-    def __init__(self, strategy: "str | Scheduler"):
+    def __init__(self, strategy: "str | Scheduler", comm_ctas: int | None = None):
         self.scheduler = resolve(strategy)
+        if comm_ctas is not None and comm_ctas < 1:
+            raise TransformError(f"comm_ctas must be a positive number of thread blocks, got {comm_ctas}")
+        self.comm_ctas = comm_ctas
 
     def describe(self) -> str:
-        return f"overlap({self.scheduler.describe()})"
+        ctas = f", comm_ctas={self.comm_ctas}" if self.comm_ctas is not None else ""
+        return f"overlap({self.scheduler.describe()}{ctas})"
 
     def apply(self, program: Program) -> Program:
         if program.is_scheduled():
             raise TransformError("overlap was already applied to this program; apply it once, last")
         if all(info(n).stage is None for n in program.ops()):
             program = PartitionPass(DEFAULT_RULES, warn_unmatched=False).apply(program)
+        if self.comm_ctas is not None:
+            program = _on_comm_group(program, self.comm_ctas)
         graph = StageGraph.from_program(program)
         streams = tuple(self.scheduler.streams(graph))
         issues = list(self.scheduler.schedule(graph))
@@ -48,6 +54,27 @@ class OverlapPass(Pass):
             return node_info.replace(order=order[node.name], stream=stream_of[node_info.stage])
 
         return record(program, program.annotate(update, streams=streams), self)
+
+
+def _on_comm_group(program: Program, max_ctas: int) -> Program:
+    """The program with every collective moved to a communicator of at most `max_ctas` thread blocks."""
+    from .. import distributed, ops
+
+    graph_module, _ = copy_graph_module(program.graph_module)
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or not ops.is_collective(node.target) or ops.is_collective_wait(node.target):
+            continue
+        names = [argument.name for argument in node.target._schema.arguments]
+        if "group_name" not in names:
+            continue
+        position = names.index("group_name")
+        if position < len(node.args):
+            args = list(node.args)
+            args[position] = distributed.comm_group_name(args[position], max_ctas)
+            node.args = tuple(args)
+        else:
+            node.kwargs = {**node.kwargs, "group_name": distributed.comm_group_name(node.kwargs["group_name"], max_ctas)}
+    return program.with_graph(graph_module)
 
 
 def _check_schedule(graph: StageGraph, streams: Sequence[Stream], issues: Sequence[Issue],
@@ -76,12 +103,15 @@ def _check_schedule(graph: StageGraph, streams: Sequence[Stream], issues: Sequen
         raise ScheduleError(f"{name} never issued {left[0]}" + (f" and {len(left) - 1} more" if len(left) > 1 else ""))
 
 
-def overlap(fn: Any = None, strategy: "str | Scheduler" = "roundrobin") -> Any:
+def overlap(fn: Any = None, strategy: "str | Scheduler" = "roundrobin", comm_ctas: int | None = None) -> Any:
     """Schedule the program's stages on streams with a strategy: "sequential", "roundrobin", "tbo",
     "branches" or a `df.Scheduler`. Apply it last, after microbatch and partition.
+
+    comm_ctas: run the collectives on a dedicated communicator limited to this many thread blocks
+        (`df.distributed.comm_group`), so they keep few SMs and run beside the compute kernels.
 
     >>> step = T.overlap(step, strategy="tbo")
     """
     if isinstance(fn, (str, Scheduler)):
         fn, strategy = None, fn
-    return apply_transform(fn, OverlapPass(strategy))
+    return apply_transform(fn, OverlapPass(strategy, comm_ctas))
