@@ -215,3 +215,30 @@ def test_train_step_graph_updates_parameters_in_place():
     assert torch.cuda.memory_allocated() == memory
     assert step.cache_info().captures == 1
     assert not step.lower(params, state, x, y).copy_steps()
+
+
+@pytest.mark.parametrize("strategy", [None, "roundrobin", "tbo"])
+def test_inductor_stages_in_one_multi_stream_graph_equal_eager(strategy):
+    model = tiny_llama().cuda()
+    fn, params = llama_logits(model)
+    step = fn if strategy is None else T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), strategy)
+    fast = df.jit(step, backend="inductor", progress=False)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (4, 12), device="cuda")
+        torch.testing.assert_close(fast(params, ids), fn(params, ids), rtol=1e-3, atol=1e-3)
+    plan = fast.lower(params, ids)
+    df.verify(plan)
+    assert fast.cache_info().captures == 1
+    assert any(type(step.op).__name__ == "CompiledRun" for step in plan.steps)
+
+
+def test_compile_backend_with_inductor_on_cuda_equals_eager():
+    model = tiny_llama().cuda()
+    compile_backend = df.compile_backend(backend="inductor", progress=False)
+    compiled = torch.compile(model, backend=compile_backend, dynamic=False)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(0, 128, (2, 10), device="cuda")
+            torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                       rtol=1e-3, atol=1e-3)
+    assert sum(jitted.cache_info().captures for jitted in compile_backend.graphs) >= 1
