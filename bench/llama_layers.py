@@ -1,33 +1,50 @@
-"""Llama-3-8B-like decoder layers as plain functions of weight dicts, for the benchmarks.
+"""Llama-3-like decoder layers as plain functions of weight dicts, for the benchmarks.
 
-Hidden 4096, 32 query / 8 key-value heads of 128, FFN 14336, bf16. Decode attention reads a KV cache
-with two batched matmuls (memory-bound); `df.region` tags mark the phases for partition rules.
+Two shapes: Llama-3-8B (hidden 4096, 32 query / 8 key-value heads of 128, FFN 14336) and Llama-3-70B
+(hidden 8192, 64 / 8 heads, FFN 28672), bf16. Decode attention reads a KV cache with two batched
+matmuls (memory-bound); `df.region` tags mark the phases for partition rules.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
 
-HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+LLAMA3_8B = Shape(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336)
+LLAMA3_70B = Shape(hidden=8192, q_heads=64, kv_heads=8, head_dim=128, ffn=28672)
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = (LLAMA3_8B.hidden, LLAMA3_8B.q_heads, LLAMA3_8B.kv_heads,
+                                            LLAMA3_8B.head_dim, LLAMA3_8B.ffn)
 DTYPE = torch.bfloat16
 
 
-def make_layer(device: torch.device, tp: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_layer(device: torch.device, tp: int = 1, seed: int = 0, shape: Shape = LLAMA3_8B) -> dict[str, torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(seed)
 
-    def weight(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=DTYPE, generator=generator) * 0.02
+    def weight(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device=device, dtype=DTYPE, generator=generator) * 0.02
 
     return {
-        "wqkv": weight(HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM // tp),
-        "wo": weight(Q_HEADS * HEAD_DIM // tp, HIDDEN),
-        "wgu": weight(HIDDEN, 2 * FFN // tp),
-        "wd": weight(FFN // tp, HIDDEN),
-        "n1": torch.ones(HIDDEN, device=device, dtype=DTYPE),
-        "n2": torch.ones(HIDDEN, device=device, dtype=DTYPE),
+        "wqkv": weight(shape.hidden, (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim // tp),
+        "wo": weight(shape.q_heads * shape.head_dim // tp, shape.hidden),
+        "wgu": weight(shape.hidden, 2 * shape.ffn // tp),
+        "wd": weight(shape.ffn // tp, shape.hidden),
+        "n1": torch.ones(shape.hidden, device=device, dtype=DTYPE),
+        "n2": torch.ones(shape.hidden, device=device, dtype=DTYPE),
     }
 
 
@@ -35,22 +52,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * weight
 
 
-def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tp: int = 1) -> torch.Tensor:
+def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tp: int = 1,
+                     shape: Shape = LLAMA3_8B) -> torch.Tensor:
     """One new token per sequence against its cache: [B, kv, group, D] x [B, kv, L, D]."""
     batch = qkv.shape[0]
-    q_heads, kv_heads = Q_HEADS // tp, KV_HEADS // tp
-    q = qkv[:, : q_heads * HEAD_DIM].view(batch, kv_heads, q_heads // kv_heads, HEAD_DIM)
-    scores = torch.matmul(q, k_cache.transpose(-1, -2)) * HEAD_DIM ** -0.5
+    q_heads, kv_heads = shape.q_heads // tp, shape.kv_heads // tp
+    q = qkv[:, : q_heads * shape.head_dim].view(batch, kv_heads, q_heads // kv_heads, shape.head_dim)
+    scores = torch.matmul(q, k_cache.transpose(-1, -2)) * shape.head_dim ** -0.5
     probs = torch.softmax(scores.float(), -1).to(DTYPE)
-    return torch.matmul(probs, v_cache).reshape(batch, q_heads * HEAD_DIM)
+    return torch.matmul(probs, v_cache).reshape(batch, q_heads * shape.head_dim)
 
 
 def decoder_layer(p: dict, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tp: int = 1,
-                  all_reduce=None) -> torch.Tensor:
+                  all_reduce=None, shape: Shape = LLAMA3_8B) -> torch.Tensor:
     with df.region("pre"):
         qkv = rms_norm(x, p["n1"]) @ p["wqkv"]
     with df.region("attn"):
-        a = decode_attention(qkv, k_cache, v_cache, tp)
+        a = decode_attention(qkv, k_cache, v_cache, tp, shape)
     with df.region("post"):
         o = a @ p["wo"]
         if all_reduce is not None:

@@ -1,21 +1,28 @@
-"""Tensor-parallel communication overlap: 4 Llama-3-8B-like layers, TP = world size, side by side.
+"""Tensor-parallel communication overlap: 4 Llama-3-like layers, TP = world size, side by side.
 
-    torchrun --nproc-per-node 2 -m bench.tp            # on 2 GPUs (NCCL); N GPUs give TP=N
+    torchrun --nproc-per-node 2 -m bench.tp                 # Llama-3-8B-like layers on 2 GPUs (NCCL)
+    torchrun --nproc-per-node 8 -m bench.tp --model 70b     # Llama-3-70B-like layers, TP=8
 
 Variants, each one CUDA graph over the whole stack:
-  baseline     whole batch on one stream, all-reduce after o-proj and down-proj (hand-captured graph)
-  bound        the same program with the collectives removed (what hiding them perfectly would give)
-  hand-rr2     hand-written round-robin: 2 micro-batches, compute stream + comm stream, events
-  df.jit       dynaflow_fn with no transforms
-  df.rr2       microbatch(2) + overlap("roundrobin"): micro-batch streams and a high-priority comm stream
-  df.tbo2      microbatch(2) + overlap("tbo")
+  baseline       whole batch on one stream, all-reduce after o-proj and down-proj (hand-captured graph)
+  bound          the same program with the collectives removed (what hiding them perfectly would give)
+  hand-rr2       hand-written round-robin: 2 micro-batches, compute stream + comm stream, events
+  df.jit         dynaflow_fn with no transforms
+  df.rr2/tbo2    microbatch(2) + overlap("roundrobin" / "tbo"): micro-batch streams, high-priority comm stream
+  df.rr2-ctasN   the same, collectives on a communicator limited to N thread blocks (NCCL max_ctas)
+  df.auto        strategy="auto": the fastest candidate, measured when first called (build_s = choosing time)
 Rank 0 prints medians, ratios, the share of the collective time hidden ((baseline - t) / (baseline -
-bound)) and the peak memory of building each variant, and writes bench/results/tp<N>.json.
+bound)), the peak memory and wall time of building each variant, and writes bench/results/tp<N>.json
+(tp<N>-70b.json for --model 70b).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -25,13 +32,13 @@ from bench.common import init_distributed, capture_graph, peak_memory_mb, print_
 from dynaflow_fn import transforms as T
 
 
-def stack(layers, x, k_caches, v_caches, tp, all_reduce):
+def stack(layers, x, k_caches, v_caches, tp, all_reduce, shape):
     for p, k, v in zip(layers, k_caches, v_caches):
-        x = L.decoder_layer(p, x, k, v, tp, all_reduce)
+        x = L.decoder_layer(p, x, k, v, tp, all_reduce, shape)
     return x
 
 
-def hand_round_robin(layers, x, k_caches, v_caches, tp, comp, comm):
+def hand_round_robin(layers, x, k_caches, v_caches, tp, comp, comm, shape):
     """Two micro-batches; compute on `comp`, all-reduces on `comm`, joined by events (as DESIGN's probe)."""
     current = torch.cuda.current_stream()
     comp.wait_stream(current)
@@ -44,7 +51,7 @@ def hand_round_robin(layers, x, k_caches, v_caches, tp, comp, comm):
             rows = slice(i * half, (i + 1) * half)
             with torch.cuda.stream(comp):
                 qkv = L.rms_norm(xs[i], p["n1"]) @ p["wqkv"]
-                partial[i] = L.decode_attention(qkv, k[rows], v[rows], tp) @ p["wo"]
+                partial[i] = L.decode_attention(qkv, k[rows], v[rows], tp, shape) @ p["wo"]
             comm.wait_stream(comp)
             with torch.cuda.stream(comm):
                 dist.all_reduce(partial[i])
@@ -76,42 +83,49 @@ def in_place_all_reduce(t):
     return t
 
 
-def run_case(tokens, context, layers, tp, device):
-    weights = [L.make_layer(device, tp=tp, seed=i) for i in range(layers)]
-    kv_heads = L.KV_HEADS // tp
-    k_caches = [torch.randn(tokens, kv_heads, context, L.HEAD_DIM, device=device, dtype=L.DTYPE)
+def run_case(tokens, context, layers, tp, device, shape, ctas_budgets):
+    weights = [L.make_layer(device, tp=tp, seed=i, shape=shape) for i in range(layers)]
+    kv_heads = shape.kv_heads // tp
+    k_caches = [torch.randn(tokens, kv_heads, context, shape.head_dim, device=device, dtype=L.DTYPE)
                 for _ in range(layers)]
     v_caches = [torch.randn_like(k) for k in k_caches]
-    x = torch.randn(tokens, L.HIDDEN, device=device, dtype=L.DTYPE)
+    x = torch.randn(tokens, shape.hidden, device=device, dtype=L.DTYPE)
+    args = (weights, x, k_caches, v_caches)
 
     def with_collectives(all_reduce):
-        return lambda layers_, x_, k_, v_: stack(layers_, x_, k_, v_, tp, all_reduce)
+        return lambda layers_, x_, k_, v_: stack(layers_, x_, k_, v_, tp, all_reduce, shape)
 
     functional = with_collectives(df.distributed.all_reduce)
+    in_axes = (None, 0, 0, 0)
 
-    def overlapped(strategy):
-        step = T.microbatch(functional, num=2, in_axes=(None, 0, 0, 0))
-        return T.overlap(T.partition(step, rules=[T.Op(r"all_reduce")]), strategy=strategy)
+    def overlapped(strategy, comm_ctas=None):
+        step = T.microbatch(functional, num=2, in_axes=in_axes)
+        return T.overlap(T.partition(step, rules=[T.Op(r"all_reduce")]), strategy=strategy, comm_ctas=comm_ctas)
 
-    def jitted(fn):
-        fast = df.jit(fn, persistent_argnums=(0, 2, 3), static_outputs=True)
-        out = fast(weights, x, k_caches, v_caches)
-        return (lambda: fast(weights, x, k_caches, v_caches)), out
+    def jitted(fn, **options):
+        fast = df.jit(fn, persistent_argnums=(0, 2, 3), static_outputs=True, **options)
+        out = fast(*args)
+        return (lambda: fast(*args)), out
 
     comp, comm = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
     variants = {
-        "baseline": lambda: capture_graph(lambda: stack(weights, x, k_caches, v_caches, tp, in_place_all_reduce)),
-        "bound": lambda: capture_graph(lambda: stack(weights, x, k_caches, v_caches, tp, None)),
-        "hand-rr2": lambda: capture_graph(lambda: hand_round_robin(weights, x, k_caches, v_caches, tp, comp, comm)),
+        "baseline": lambda: capture_graph(lambda: stack(*args, tp, in_place_all_reduce, shape)),
+        "bound": lambda: capture_graph(lambda: stack(*args, tp, None, shape)),
+        "hand-rr2": lambda: capture_graph(lambda: hand_round_robin(*args, tp, comp, comm, shape)),
         "df.jit": lambda: jitted(functional),
         "df.rr2": lambda: jitted(overlapped("roundrobin")),
         "df.tbo2": lambda: jitted(overlapped("tbo")),
+        **{f"df.rr2-ctas{n}": (lambda n=n: jitted(overlapped("roundrobin", n))) for n in ctas_budgets},
+        **{f"df.tbo2-ctas{n}": (lambda n=n: jitted(overlapped("tbo", n))) for n in ctas_budgets},
+        "df.auto": lambda: jitted(functional, strategy="auto", in_axes=in_axes, progress=False),
     }
-    built, memory = {}, {}
+    built, memory, build_s = {}, {}, {}
     for name, build in variants.items():
         try:
             holder = {}
+            start = time.perf_counter()
             memory[name] = peak_memory_mb(lambda: holder.setdefault("built", build()))
+            build_s[name] = time.perf_counter() - start
             built[name] = holder["built"]
         except Exception as error:
             if dist.get_rank() == 0:
@@ -127,25 +141,33 @@ def run_case(tokens, context, layers, tp, device):
                      "speedup_vs_baseline": base / median, "peak_mem_mb": memory[name],
                      "mem_vs_baseline": memory[name] / max(memory["baseline"], 1e-9),
                      "hidden_fraction": (base - median) / (base - bound) if base > bound else None,
+                     "build_s": build_s[name],
                      "rel_err": ((out.float() - reference).norm() / reference.norm()).item()})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--model", choices=sorted(L.SHAPES), default="8b")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[256, 512, 4096, 16384])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ctas", type=int, nargs="*", default=[4, 8, 16],
+                        help="thread-block budgets of the dedicated communicator variants")
     options = parser.parse_args()
+    os.environ.setdefault("DYNAFLOW_CACHE_DIR", tempfile.mkdtemp())   # df.auto measures, not recalls
     device = init_distributed()
     tp = dist.get_world_size()
+    shape = L.SHAPES[options.model]
     rows = []
     for tokens in options.tokens:
-        rows += run_case(tokens, 16, options.layers, tp, device)
+        rows += run_case(tokens, 16, options.layers, tp, device, shape, options.ctas)
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
+        name = f"tp{tp}" if options.model == "8b" else f"tp{tp}-{options.model}"
         print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline",
-                           "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "rel_err"], f"tensor-parallel overlap ({torch.cuda.get_device_name()})")
-        print(f"\nwrote {write_results(f'tp{tp}', rows)}")
+                           "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "rel_err"],
+                    f"tensor-parallel overlap, Llama-3-{options.model}-like ({torch.cuda.get_device_name()})")
+        print(f"\nwrote {write_results(name, rows, model=options.model)}")
     dist.destroy_process_group()
 
 
