@@ -1,6 +1,7 @@
 """Run every benchmark this machine can run, then write the report.
 
-    python -m bench              # 1 GPU: overhead, single_gpu, train; N >= 2 GPUs: also tp and dp under torchrun
+    python -m bench              # 1 GPU: overhead, single_gpu, inductor, train;
+                                 # N >= 2 GPUs: also tp and dp under torchrun
     python -m bench --report     # only rebuild bench/results/README.md and the plots from the JSON files
 """
 
@@ -12,7 +13,7 @@ import sys
 
 import torch
 
-SINGLE_GPU = ("bench.overhead", "bench.single_gpu", "bench.train")
+SINGLE_GPU = ("bench.overhead", "bench.single_gpu", "bench.inductor", "bench.train")
 
 
 def main() -> None:
