@@ -102,9 +102,12 @@ def run_case(tokens, context, layers, tp, device, shape, ctas_budgets):
         step = T.microbatch(functional, num=2, in_axes=in_axes)
         return T.overlap(T.partition(step, rules=[T.Op(r"all_reduce")]), strategy=strategy, comm_ctas=comm_ctas)
 
+    auto_choice = {}
+
     def jitted(fn, **options):
         fast = df.jit(fn, persistent_argnums=(0, 2, 3), static_outputs=True, **options)
         out = fast(*args)
+        auto_choice.update(fast.choices)
         return (lambda: fast(*args)), out
 
     comp, comm = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
@@ -142,6 +145,7 @@ def run_case(tokens, context, layers, tp, device, shape, ctas_budgets):
                      "mem_vs_baseline": memory[name] / max(memory["baseline"], 1e-9),
                      "hidden_fraction": (base - median) / (base - bound) if base > bound else None,
                      "build_s": build_s[name],
+                     "choice": next(iter(auto_choice.values()))[0] if name == "df.auto" and auto_choice else None,
                      "rel_err": ((out.float() - reference).norm() / reference.norm()).item()})
     return rows
 
@@ -165,7 +169,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         name = f"tp{tp}" if options.model == "8b" else f"tp{tp}-{options.model}"
         print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline",
-                           "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "rel_err"],
+                           "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "choice", "rel_err"],
                     f"tensor-parallel overlap, Llama-3-{options.model}-like ({torch.cuda.get_device_name()})")
         print(f"\nwrote {write_results(name, rows, model=options.model)}")
     dist.destroy_process_group()

@@ -95,7 +95,7 @@ def store_decision(key: str, choice: str, timings: dict[str, float]) -> None:
     os.replace(temporary, path)
 
 
-def median_ms(run: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 15) -> float:
+def median_ms(run: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 10) -> float:
     """Median milliseconds per call, with CUDA events on CUDA and the host clock elsewhere."""
     for _ in range(warmup):
         run()
@@ -124,17 +124,40 @@ def choose(timings: dict[str, float]) -> str:
     return NO_OVERLAP
 
 
-def measure(names: Sequence[str], time_candidate: Callable[[str], float], progress: bool = True) -> dict[str, float]:
-    """Time every candidate by name, with a progress bar; candidates that fail to build are skipped."""
-    timings: dict[str, float] = {}
-    bar = tqdm(names, desc="df.jit strategy=auto", disable=not progress, leave=False)
-    for name in bar:
+def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], progress: bool = True,
+            rounds: int = 3) -> dict[str, float]:
+    """Build every candidate by name, then time them in interleaved rounds and keep each one's median.
+
+    `build(name)` returns a function that times one round of that candidate. Interleaving puts every
+    candidate under the same clocks and temperature, so a drift during measuring cannot pick the
+    winner. Candidates that fail to build or run are skipped, with a message.
+    """
+    timers: dict[str, Callable[[], float]] = {}
+    bar = tqdm(total=len(names) * (1 + rounds), desc="df.jit strategy=auto", disable=not progress, leave=False)
+
+    def attempt(name: str, action: Callable[[], Any]) -> Any:
         bar.set_postfix_str(name)
         try:
-            timings[name] = time_candidate(name)
+            return action()
         except Exception as error:
             bar.write(f"strategy=auto: candidate {name} skipped ({type(error).__name__}: {error})")
-    return timings
+            timers.pop(name, None)
+            return None
+        finally:
+            bar.update()
+
+    for name in names:
+        timer = attempt(name, lambda: build(name))
+        if timer is not None:
+            timers[name] = timer
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name in list(timers):
+            sample = attempt(name, timers[name])
+            if sample is not None and name in samples:
+                samples[name].append(sample)
+    bar.close()
+    return {name: statistics.median(values) for name, values in samples.items() if values and name in timers}
 
 
 def agree(choice: str) -> str:

@@ -217,11 +217,12 @@ class Jitted:
             return _Entry(self, *self._plan(options[choice], args, kwargs))
         built: dict[str, _Entry] = {}
 
-        def time_candidate(name: str) -> float:
+        def build(name: str) -> Callable[[], float]:
             built[name] = _Entry(self, *self._plan(options[name], args, kwargs))
-            return autotune.median_ms(built[name].benchmark(leaves), device)
+            call = built[name].benchmark(leaves)
+            return lambda: autotune.median_ms(call, device)
 
-        timings = autotune.measure(list(options), time_candidate, self.progress)
+        timings = autotune.measure(list(options), build, self.progress)
         choice = autotune.agree(autotune.choose(timings))
         if world == 1 or dist.get_rank() == 0:
             autotune.store_decision(decision, choice, timings)

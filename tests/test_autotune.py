@@ -15,9 +15,9 @@ def _private_cache(tmp_path, monkeypatch):
 
 def _fixed_timings(times):
     """Stands in for measuring: builds and runs every candidate as usual, then reports `times`."""
-    def measure(names, time_candidate, progress=True):
+    def measure(names, build, progress=True):
         for name in names:
-            time_candidate(name)
+            build(name)()
         return dict(times)
     return measure
 
@@ -74,6 +74,20 @@ def test_auto_leaves_donated_arguments_to_the_real_call():
     fast = df.jit(step, strategy="auto", donate_argnums=(0,), progress=False)
     new_state, _ = fast(state, x)
     assert new_state["w"].tolist() == [3.0] * 4 and new_state["w"] is state["w"]
+
+
+def test_candidates_are_timed_in_interleaved_rounds_and_failures_are_skipped():
+    calls = []
+
+    def build(name):
+        if name == "broken":
+            raise RuntimeError("cannot build")
+        samples = iter({"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 9.0]}[name])
+        return lambda: calls.append(name) or next(samples)
+
+    timings = autotune.measure(["a", "broken", "b"], build, progress=False, rounds=3)
+    assert timings == {"a": 2.0, "b": 5.0}
+    assert calls == ["a", "b"] * 3
 
 
 def test_strategy_must_be_none_or_auto():
