@@ -83,6 +83,17 @@ def comm_group_name(group_name: str, max_ctas: int) -> str:
     return comm_group(max_ctas, _resolve_process_group(group_name)).group_name
 
 
+def all_reduce_on_current_stream(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """How a plan runs an in-place all-reduce (`_c10d_functional.all_reduce_`): through c10d's blocking
+    call, which launches NCCL on the current stream, i.e. the plan's comm stream with its priority.
+    The functional op would launch on the process group's internal stream and join back through two
+    events, which a CUDA graph keeps as cross-stream edges on every collective."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, reduce_op.upper()), group=_resolve_process_group(group_name))
+    return tensor
+
+
 def shard(tensor: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
     """This rank's contiguous slice of `tensor` along `dim` (which the world size must divide)."""
     group = _group(group)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from .. import distributed
 from ..plan import Plan, Ref, Slot, Step, StepKind, StorageKind
 
 Env = list
@@ -32,6 +33,10 @@ def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
     return typed.as_strided(layout.shape, layout.stride, start // layout.itemsize + layout.storage_offset)
 
 
+_RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: distributed.all_reduce_on_current_stream}
+"""Plan ops that run through another function with the same effect (see each function)."""
+
+
 def compile_step(step: Step) -> Callable[[Env], None]:
     """A closure that runs one step against an environment (a list indexed by slot)."""
     if step.kind in (StepKind.FORK, StepKind.JOIN):
@@ -43,7 +48,7 @@ def compile_step(step: Step) -> Callable[[Env], None]:
     leaves, spec = optree.tree_flatten((step.args, step.kwargs), is_leaf=lambda x: isinstance(x, Ref),
                                        none_is_leaf=True)
     refs = [(i, leaf.slot) for i, leaf in enumerate(leaves) if isinstance(leaf, Ref)]
-    op = step.op
+    op = _RUN_AS.get(step.op, step.op)
 
     def arguments(env: Env) -> tuple[tuple, dict]:
         values = list(leaves)
