@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+ONE_RANK_NOTE = ("One rank: every collective is local, so this checks the multi-GPU code path (NCCL communicators, "
+                 "collectives captured in CUDA graphs) and its overheads, not communication overlap.")
 
 
 def init_distributed() -> torch.device:

@@ -12,8 +12,8 @@ from bench.common import RESULTS
 from bench.plot import plot
 
 COLUMNS = ("case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_eager",
-           "ratio_vs_hand_graph", "hidden_fraction", "peak_mem_mb", "host_us_per_call", "tokens_per_s",
-           "total_s")
+           "ratio_vs_hand_graph", "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "choice",
+           "host_us_per_call", "tokens_per_s", "total_s")
 
 
 def _cell(value: object) -> str:
@@ -27,7 +27,7 @@ def table(record: dict) -> list[str]:
     columns = [c for c in COLUMNS if any(c in row for row in rows)]
     lines = [f"## {record['name']}", "",
              f"{record['device']} x{max(record['num_gpus'], 1)}, torch {record['torch']}, CUDA {record['cuda']}, "
-             f"{record['date']}", "",
+             f"{record['date']}", "", *([record["note"], ""] if record.get("note") else []),
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return lines + [""]
