@@ -11,6 +11,8 @@ What stays aten:
 
 * collectives and their waits (lowering puts them on the comm stream and orders their readers);
 * random ops (Inductor draws different numbers than eager);
+* multi-tensor optimizer updates (`_foreach_*`, `_fused_adamw`), which lowering runs in place on
+  donated parameters and state;
 * the write-back of a mutated input (a `copy_` into an argument);
 * work that depends on no input (lowering computes it once, at setup);
 * stages tagged "no-inductor" by a partition rule (`T.Region("attn", tags={"no-inductor"})`);
@@ -144,8 +146,14 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
 
 def _compilable(node: fx.Node, precomputed: set[fx.Node]) -> bool:
     op = node.target
-    return (isinstance(op, torch._ops.OpOverload) and ops.can_precompute(op) and node not in precomputed
-            and NO_INDUCTOR not in info(node).tags)
+    return (isinstance(op, torch._ops.OpOverload) and ops.can_precompute(op) and not _returns_tensor_lists(op)
+            and node not in precomputed and NO_INDUCTOR not in info(node).tags)
+
+
+def _returns_tensor_lists(op: torch._ops.OpOverload) -> bool:
+    """Multi-tensor ops (`_foreach_*`, `_fused_adamw`): optimizer updates, which lowering runs in place
+    on donated parameters and state. Inside a compiled run they would write new tensors, copied back."""
+    return any(str(r.type) == "List[Tensor]" and r.alias_info is None for r in op._schema.returns)
 
 
 def _input_independent(program: Program) -> set[fx.Node]:

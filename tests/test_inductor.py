@@ -99,6 +99,34 @@ def test_a_run_inductor_rejects_falls_back_to_aten_with_a_warning(monkeypatch):
     assert "tanh" in _aten_ops(plan) and _compiled_steps(plan)
 
 
+def test_train_step_keeps_the_optimizer_update_in_place_on_donated_state():
+    fn, params = df.pure(MLP())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    optimizer = df.optim.adamw(lr=1e-2)
+
+    def train_step(params, state, x, y):
+        loss, grads = df.value_and_grad(lambda p: ((fn(p, x) - y) ** 2).mean())(params)
+        params, state = optimizer.update(grads, state, params)
+        return params, state, loss
+
+    reference_params = {k: v.clone() for k, v in params.items()}
+    reference_state = optimizer.init(reference_params)
+    state = optimizer.init(params)
+    compiled = df.jit(train_step, backend="inductor", donate_argnums=(0, 1), progress=False)
+    reference = df.jit(train_step, donate_argnums=(0, 1))
+    for _ in range(3):
+        x, y = torch.randn(8, 32), torch.randn(8, 16)
+        new_params, state, loss = compiled(params, state, x, y)
+        reference_params, reference_state, reference_loss = reference(reference_params, reference_state, x, y)
+        assert new_params["layers.0.weight"] is params["layers.0.weight"]         # updated in place
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(params, reference_params, rtol=1e-4, atol=1e-5)
+    plan = compiled.lower(params, state, x, y)
+    assert not [step for step in plan.steps if step.kind.name == "COPY"]
+    assert "_fused_adamw_.default" in {getattr(step.op, "__name__", "") for step in plan.steps}
+    assert _compiled_steps(plan)
+
+
 class FlagModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
