@@ -125,6 +125,30 @@ def test_comm_ctas_moves_collectives_to_a_dedicated_communicator():
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
 
 
+def _inductor_around_collectives(rank, world):
+    w1, w2 = _weights()
+    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    step = T.overlap(T.microbatch(_tensor_parallel_mlp, num=2, in_axes=(0, None, None)), strategy="roundrobin")
+    fast = df.jit(step, backend="inductor", progress=False)
+    out = fast(x, w1, w2)
+    plan = df.verify(fast.lower(x, w1, w2))
+    kinds = [type(s.op).__name__ if type(s.op).__name__ == "CompiledRun" else str(s.op) for s in plan.steps]
+    return kinds, out.numpy()
+
+
+def test_inductor_compiles_around_collectives_on_every_rank():
+    results = _spawn(_inductor_around_collectives)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    w1, w2 = _weights()
+    expected = F.gelu(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ w1) @ w2
+    (kinds0, out0), (kinds1, out1) = (p for _, p in results)
+    assert kinds0 == kinds1
+    assert kinds0.count("_c10d_functional.all_reduce_.default") == 2 and "CompiledRun" in kinds0
+    for out in (out0, out1):
+        torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-4, atol=1e-4)
+
+
 def _mismatched_shapes(rank, world):
     w1, w2 = _weights()
     x = torch.randn(4 + 2 * rank, 16)
