@@ -5,7 +5,8 @@ down projections; two all-reduces per layer combine the partial sums. The step i
 two and scheduled round-robin, so one micro-batch's all-reduce runs on the comm stream while the
 other computes. Rank 0 compares the result with the unsharded model.
 
-    torchrun --nproc-per-node 2 examples/tp_llama.py            # NCCL on GPUs, gloo on CPUs
+    torchrun --nproc-per-node 2 examples/tp_llama.py                  # NCCL on GPUs, gloo on CPUs
+    torchrun --nproc-per-node 2 examples/tp_llama.py --comm-ctas 8    # all-reduces on 8 thread blocks
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def decoder(layers: list[dict], x: torch.Tensor, heads: int, all_reduce=None) ->
 
 
 def run(hidden: int = 256, heads: int = 8, ffn: int = 512, layers: int = 2, batch: int = 4, length: int = 64,
-        device: torch.device | None = None) -> float:
-    """Run the tensor-parallel step on every rank; return the relative error against one device."""
+        device: torch.device | None = None, comm_ctas: int | None = None) -> float:
+    """Run the tensor-parallel step on every rank; return the relative error against one device.
+    `comm_ctas` puts the all-reduces on a communicator of that many thread blocks (NCCL)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     device = device or torch.device("cpu")
     full = make_weights(hidden, heads, ffn, layers)
@@ -67,7 +69,7 @@ def run(hidden: int = 256, heads: int = 8, ffn: int = 512, layers: int = 2, batc
     def tensor_parallel(layers, x):
         return decoder(layers, x, heads // world, df.distributed.all_reduce)
 
-    step = T.overlap(T.microbatch(tensor_parallel, num=2, in_axes=(None, 0)), strategy="roundrobin")
+    step = T.overlap(T.microbatch(tensor_parallel, num=2, in_axes=(None, 0)), "roundrobin", comm_ctas=comm_ctas)
     fast = df.jit(step, persistent_argnums=(0,))
     out = fast(local, x)
     start = time.perf_counter()
@@ -88,6 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--comm-ctas", type=int, default=None,
+                        help="run the all-reduces on a dedicated communicator of this many thread blocks")
     options = parser.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -96,7 +100,8 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    run(hidden=options.hidden, heads=16, ffn=4 * options.hidden, layers=options.layers, device=device)
+    run(hidden=options.hidden, heads=16, ffn=4 * options.hidden, layers=options.layers, device=device,
+        comm_ctas=options.comm_ctas)
     dist.destroy_process_group()
 
 
