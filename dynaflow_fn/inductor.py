@@ -58,9 +58,8 @@ class CompiledRun:
 class InductorPass(Pass):
     """Program -> Program: every run of compilable ops becomes a call of its compiled subgraph."""
 
-    def __init__(self, progress: bool = True, compile_fn: Callable[[fx.GraphModule, list], Callable] | None = None):
+    def __init__(self, progress: bool = True):
         self.progress = progress
-        self.compile_fn = compile_fn or _compile_with_inductor
         self.compiled = self.fallbacks = 0
 
     def describe(self) -> str:
@@ -87,7 +86,7 @@ class InductorPass(Pass):
                  ) -> Callable | None:
         try:
             with torch.no_grad():
-                return self.compile_fn(graph_module, [node.meta["val"] for node in inputs])
+                return _compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
         except Exception as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warnings.warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
