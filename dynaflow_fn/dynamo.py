@@ -30,10 +30,15 @@ class CompileBackend:
     """
 
     def __init__(self, strategy: str | None, transforms: Callable[[Callable], Callable] | None, backend: str,
-                 jit_options: dict[str, Any]):
+                 in_axes: str | None, jit_options: dict[str, Any]):
+        if in_axes not in (None, "arguments"):
+            raise ValueError(f"compile_backend takes in_axes=None or 'arguments', got {in_axes!r}")
+        if in_axes is not None and strategy != "auto":
+            raise ValueError("in_axes='arguments' tells strategy='auto' what to micro-batch; pass strategy='auto'")
         self.strategy = strategy
         self.transforms = transforms
         self.backend = backend
+        self.in_axes = in_axes
         self.jit_options = jit_options
         self.graphs: list[Jitted] = []
 
@@ -42,9 +47,24 @@ class CompileBackend:
         fn = graph_module.forward
         if self.transforms is not None:
             fn = self.transforms(fn)
-        jitted = jit(fn, backend=self.backend, strategy=self.strategy, **self.jit_options)
+        options = dict(self.jit_options)
+        if self.in_axes == "arguments":
+            options["in_axes"] = _argument_axes(graph_module)
+        jitted = jit(fn, backend=self.backend, strategy=self.strategy, **options)
         self.graphs.append(jitted)
         return jitted
+
+
+def _argument_axes(graph_module: fx.GraphModule) -> tuple | None:
+    """Axis 0 for every input that the compiled function received as an argument, None for what Dynamo
+    lifted into inputs from elsewhere (parameters, buffers, globals), read from Dynamo's record of
+    where each input came from. None if no argument is a tensor: nothing to micro-batch."""
+    axes = []
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            axes.append(0 if getattr(source, "is_input", False) is True else None)
+    return tuple(axes) if 0 in axes else None
 
 
 def _check_inputs(example_inputs: Sequence[Any]) -> None:
@@ -59,10 +79,13 @@ def _check_inputs(example_inputs: Sequence[Any]) -> None:
 
 
 def compile_backend(strategy: str | None = None, transforms: Callable[[Callable], Callable] | None = None,
-                    backend: str = "auto", **jit_options: Any) -> CompileBackend:
+                    backend: str = "auto", in_axes: str | None = None, **jit_options: Any) -> CompileBackend:
     """A backend for `torch.compile(model, backend=df.compile_backend(...), dynamic=False)`.
 
     strategy: None, or "auto" to time candidate strategies per captured graph (see `df.jit`).
+    in_axes: "arguments" lets strategy="auto" try micro-batching: the tensors the model is called with
+        are split along dimension 0, parameters and buffers are shared. Use it when every tensor
+        argument is batch-major ([batch, ...]); by default only candidates without splitting are tried.
     transforms: a transform applied to each captured graph's function before jit, e.g.
         `T.overlap(strategy="branches")`. The function takes the graph's flat inputs (parameters and
         buffers included), so micro-batching needs `in_axes` over those.
@@ -71,4 +94,4 @@ def compile_backend(strategy: str | None = None, transforms: Callable[[Callable]
 
     >>> model = torch.compile(model, backend=df.compile_backend(backend="inductor"), dynamic=False)
     """
-    return CompileBackend(strategy, transforms, backend, jit_options)
+    return CompileBackend(strategy, transforms, backend, in_axes, jit_options)

@@ -152,6 +152,19 @@ def test_compile_backend_follows_python_branches_on_a_flag(backend):
     assert [g.cache_info().misses for g in compile_backend.graphs] == [1, 1]
 
 
+def test_compile_backend_auto_micro_batches_the_arguments_and_shares_the_parameters(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAFLOW_CACHE_DIR", str(tmp_path))        # measure, do not recall an earlier choice
+    model = FlagModel().eval()
+    compile_backend = df.compile_backend(strategy="auto", in_axes="arguments", progress=False)
+    compiled = torch.compile(model, backend=compile_backend, dynamic=False)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(8, 16)
+            torch.testing.assert_close(compiled(x, True), model(x, True), rtol=1e-4, atol=1e-5)
+    (choice, timings), = compile_backend.graphs[0].choices.values()
+    assert {"none", "microbatch2-roundrobin", "microbatch4-tbo"} <= set(timings) and choice in timings
+
+
 def test_compile_backend_applies_transforms_to_each_captured_graph():
     model = tiny_llama()
     compile_backend = df.compile_backend(transforms=T.overlap(strategy="branches"), progress=False)
