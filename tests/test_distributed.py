@@ -149,6 +149,41 @@ def test_inductor_compiles_around_collectives_on_every_rank():
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-4, atol=1e-4)
 
 
+def _every_collective(rank, world):
+    import torch.distributed._functional_collectives as funcol
+    from dynaflow_fn.program import info
+
+    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+    def fn(x):
+        gathered = all_gather(x * 2, 0, dist.group.WORLD)
+        exchanged = funcol.all_to_all_single(x + 1, None, None, dist.group.WORLD)
+        scattered = reduce_scatter(gathered, "sum", 0, dist.group.WORLD)
+        return gathered, exchanged, scattered
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    step = T.overlap(fn, strategy="roundrobin")
+    program = df.trace(step, x)
+    comm = next(s.index for s in program.streams if "comm" in s.name)
+    placed = {n.target.__name__.split(".")[0]: (info(n).kind, info(n).stream) for n in program.ops()
+              if "c10d" in str(n.target) and "wait" not in str(n.target)}
+    fast = df.jit(step)
+    out = fast(x)
+    df.verify(fast.lower(x))
+    return placed, comm, [o.numpy() for o in out], [e.numpy() for e in fn(x)]
+
+
+def test_every_functional_collective_runs_on_the_comm_stream_and_equals_eager():
+    results = _spawn(_every_collective)
+    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
+    for placed, comm, outs, expected in (p for _, p in results):
+        assert set(placed) == {"all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor"}
+        assert all(kind == "comm" and stream == comm for kind, stream in placed.values())
+        for out, reference in zip(outs, expected):
+            torch.testing.assert_close(torch.from_numpy(out), torch.from_numpy(reference))
+
+
 def _mismatched_shapes(rank, world):
     w1, w2 = _weights()
     x = torch.randn(4 + 2 * rank, 16)
