@@ -24,12 +24,19 @@ CUDA graph's static input. Each sample times back-to-back calls with CUDA events
 the variants. peak_mem_mb is the memory allocated while a variant is built (compilation, warm-up,
 capture; with Inductor that includes benchmarking its kernel configs unless its on-disk cache has
 them); it is left out for cudagraph trees, whose pool bookkeeping rewrites the allocator's counters.
+hf      an unmodified transformers LlamaForCausalLM (4 Llama-3-8B-like layers, vocabulary 32000) at 1x2048
+        tokens: eager, torch.compile reduce-overhead (the baseline), and torch.compile with
+        df.compile_backend (aten kernels) and df.compile_backend(backend="inductor"), every Dynamo graph
+        one df CUDA graph.
+
 rel_err compares one more call, made after timing, with eager PyTorch. Prints medians and ratios
-against compile-reduce-overhead; writes bench/results/inductor.json.   python -m bench.inductor
+against compile-reduce-overhead; writes bench/results/inductor.json (inductor-<cases>.json for a
+subset).   python -m bench.inductor [--cases stack pod hf]
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Callable, Sequence
 
 import optree
@@ -38,7 +45,7 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from bench.common import peak_memory_mb, print_table, time_variants, write_results
-from bench.llama_layers import DTYPE, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, make_layer, rms_norm
+from bench.llama_layers import DTYPE, FFN, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, make_layer, rms_norm
 from bench.single_gpu import pod, relative_error
 from dynaflow_fn import transforms as T
 
@@ -91,8 +98,9 @@ def pod_args(prefill_tokens: int, decode_batch: int, context: int) -> tuple[torc
 
 # --- the variants ----------------------------------------------------------------------------------
 
-def compiled(fn: Callable[..., Any], args: tuple, mode: str, static: Sequence[int]) -> Callable[[], Any]:
-    """torch.compile(fn, mode) on `args`, warmed up, as a call under no_grad.
+def compiled(fn: Callable[..., Any], args: tuple, mode: str | None, static: Sequence[int],
+             backend: Any = "inductor") -> Callable[[], Any]:
+    """torch.compile(fn, mode or backend) on `args`, warmed up, as a call under no_grad.
 
     The tensors of the `static` arguments are marked as static addresses, so that cudagraph trees read
     them in place as df.jit reads persistent arguments (otherwise it copies every weight per replay).
@@ -101,7 +109,7 @@ def compiled(fn: Callable[..., Any], args: tuple, mode: str, static: Sequence[in
     for index in static:
         for tensor in optree.tree_leaves(args[index]):
             torch._dynamo.mark_static_address(tensor)
-    function = torch.compile(fn, mode=mode, dynamic=False)
+    function = torch.compile(fn, mode=mode, backend=backend, dynamic=False)
 
     def call() -> Any:
         with torch.no_grad():
@@ -191,13 +199,53 @@ def pod_rows() -> list[dict]:
     return rows
 
 
+def hf_rows() -> list[dict]:
+    """An unmodified transformers Llama (Llama-3-8B-like layers, random weights) through torch.compile,
+    with Inductor's cudagraph trees or dynaflow_fn behind Dynamo."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                         num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).to(DEVICE, DTYPE).eval()
+    logits = lambda ids: model(ids, use_cache=False).logits
+    rows = []
+    for batch, tokens in PROMPTS[:1]:
+        args = (torch.randint(0, config.vocab_size, (batch, tokens), device=DEVICE),)
+        with torch.no_grad():
+            reference = logits(*args)
+        variants = {
+            "eager": lambda: lambda: _no_grad(logits, args),
+            BASELINE: lambda: compiled(logits, args, "reduce-overhead", static=()),
+            "df.compile_backend": lambda: compiled(logits, args, None, (), df.compile_backend(progress=False)),
+            "df.compile_backend-inductor": lambda: compiled(logits, args, None, (),
+                                                            df.compile_backend(backend="inductor", progress=False)),
+        }
+        rows += measure(f"transformers Llama, {LAYERS} layers, {batch}x{tokens} tokens", variants, reference, inner=3)
+        release()
+    return rows
+
+
+def _no_grad(fn: Callable[..., Any], args: tuple) -> Any:
+    with torch.no_grad():
+        return fn(*args)
+
+
+CASES = {"stack": stack_rows, "pod": pod_rows, "hf": hf_rows}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=list(CASES))
+    options = parser.parse_args()
     torch.manual_seed(0)
-    stack, pods = stack_rows(), pod_rows()
     device = torch.cuda.get_device_name()
-    print_table(stack, COLUMNS, f"prefill decoder stack, speedup vs {BASELINE} ({device})")
-    print_table(pods, COLUMNS, f"prefill || decode attention, speedup vs {BASELINE} ({device})")
-    print(f"\nwrote {write_results('inductor', stack + pods, baseline=BASELINE)}")
+    rows = []
+    for case in options.cases:
+        found = CASES[case]()
+        print_table(found, COLUMNS, f"{case}: speedup vs {BASELINE} ({device})")
+        rows += found
+    name = "inductor" if options.cases == list(CASES) else f"inductor-{'-'.join(options.cases)}"
+    print(f"\nwrote {write_results(name, rows, baseline=BASELINE)}")
 
 
 if __name__ == "__main__":
