@@ -247,6 +247,11 @@ def test_unknown_strategy_is_an_error():
         T.overlap(strategy="fast")
 
 
+def test_comm_ctas_must_be_positive():
+    with pytest.raises(df.TransformError, match="comm_ctas must be a positive number of thread blocks, got 0"):
+        T.overlap(strategy="roundrobin", comm_ctas=0)
+
+
 def test_example_policy_interleaves_micro_batches():
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "custom_scheduler.py")
     spec = importlib.util.spec_from_file_location("custom_scheduler", path)
