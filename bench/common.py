@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,15 @@ def init_distributed() -> torch.device:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     return device
+
+
+def finish_distributed() -> None:
+    """End a torchrun benchmark once its results are written. On 2 H200s, tearing NCCL down (or exiting
+    the interpreter) after collectives were captured in CUDA graphs hung every rank until killed, so
+    each rank flushes its output and leaves without the teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def device_name() -> str:

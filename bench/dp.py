@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import dynaflow_fn as df
-from bench.common import ONE_RANK_NOTE, init_distributed, print_table, time_variants, write_results
+from bench.common import ONE_RANK_NOTE, finish_distributed, init_distributed, print_table, time_variants, write_results
 from bench.train import VOCAB, cross_entropy, make_model
 from dynaflow_fn import transforms as T
 
@@ -71,7 +71,7 @@ def main() -> None:
         print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "tokens_per_s", "speedup_vs_baseline"],
                     f"data-parallel training step ({torch.cuda.get_device_name()})")
         print(f"\nwrote {write_results(f'dp{world}', rows, note=ONE_RANK_NOTE if world == 1 else None)}")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import dynaflow_fn as df
 from bench import llama_layers as L
-from bench.common import ONE_RANK_NOTE, init_distributed, capture_graph, peak_memory_mb, print_table, time_variants, write_results
+from bench.common import ONE_RANK_NOTE, finish_distributed, init_distributed, capture_graph, peak_memory_mb, print_table, time_variants, write_results
 from dynaflow_fn import transforms as T
 
 
@@ -172,7 +172,7 @@ def main() -> None:
                            "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "choice", "rel_err"],
                     f"tensor-parallel overlap, Llama-3-{options.model}-like ({torch.cuda.get_device_name()})")
         print(f"\nwrote {write_results(name, rows, model=options.model, note=ONE_RANK_NOTE if tp == 1 else None)}")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":
