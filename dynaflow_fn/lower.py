@@ -133,6 +133,7 @@ class _Lowering:
         self._add_events(steps)
         final_steps = tuple(self._finish_step(i, s) for i, s in enumerate(steps))
         clocks = Clocks(final_steps, len(self.program.streams))
+        final_steps = _leave_sms_to_collectives(final_steps, clocks, self.program.collective_sms)
         storages, slots, arena_nbytes = self._place(final_steps, clocks)
         device = next((v.device for n in self.program.placeholders() for v in _values(n)
                        if isinstance(v, torch.Tensor)), torch.device("cpu"))
@@ -493,6 +494,23 @@ class _Lowering:
             start = slot.byte_range()[0]
             slots.append(replace(slot, storage=new_index[storage], byte_offset=span[0] - start))
         return storages, tuple(slots), layout.nbytes
+
+
+def _leave_sms_to_collectives(steps: tuple[Step, ...], clocks: Clocks, sms: int | None) -> tuple[Step, ...]:
+    """Mark the kernels that may run while a collective does (neither ordered before nor after it) to
+    leave `sms` SMs free: a persistent GEMM takes every SM, and the collective's thread blocks would
+    wait for it to finish instead of running beside it."""
+    collectives = np.array([s.index for s in steps if ops.is_collective(s.op) and not ops.is_collective_wait(s.op)],
+                           dtype=np.int64)
+    if sms is None or not len(collectives):
+        return steps
+    everything = np.arange(len(steps))
+    beside = np.zeros(len(steps), dtype=bool)
+    for c in collectives:
+        beside |= ~clocks.before_all(c, everything) & ~clocks.after_all(c, everything) & (everything != c)
+    beside[collectives] = False
+    return tuple(replace(s, sm_carveout=sms) if beside[s.index] and s.kind in (StepKind.KERNEL, StepKind.ALLOC)
+                 else s for s in steps)
 
 
 def _allocates(node: fx.Node) -> bool:

@@ -115,6 +115,7 @@ class Step:
     node: str = ""
     note: str = ""
     result_indices: tuple[int, ...] = ()   # ALLOC/VIEW of a multi-result op: which result feeds each output
+    sm_carveout: int | None = None         # SMs the step's GEMMs leave free for a collective running beside it
 
     def reads(self) -> tuple[int, ...]:
         return step_reads(self.kind, self.args, self.kwargs)
@@ -224,7 +225,8 @@ def format_step(plan: Plan, step: Step) -> str:
         where = "  -> " + ", ".join(_slot_place(plan, i) for i in step.outputs)
     tag = {StepKind.ALLOC: "  [allocates]", StepKind.COPY: "  [copy]", StepKind.VIEW: "  [view]"}.get(step.kind, "")
     note = f"  ({step.note})" if step.note else ""
-    return f"s{step.stream} {sync.strip()+' ' if sync else ''}{call}{where}{tag}{note}{after}"
+    carveout = f"  [leaves {step.sm_carveout} SMs]" if step.sm_carveout else ""
+    return f"s{step.stream} {sync.strip()+' ' if sync else ''}{call}{where}{tag}{carveout}{note}{after}"
 
 
 def _slot_place(plan: Plan, slot_index: int) -> str:

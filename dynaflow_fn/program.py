@@ -133,6 +133,7 @@ class Program:
     out_tree: optree.PyTreeSpec
     provenance: tuple[str, ...] = ()
     streams: tuple[Stream, ...] = (Stream(0, "main"),)
+    collective_sms: int | None = None   # T.overlap(comm_ctas=N): kernels beside a collective leave it N SMs
     source: Any = field(default=None, compare=False)
     passes: tuple[Any, ...] = field(default=(), compare=False)
 

@@ -112,16 +112,33 @@ def _on_a_dedicated_communicator(rank, world):
     out = fast(x, w1, w2)
     plan = df.verify(fast.lower(x, w1, w2))
     groups = {s.args[-1] for s in plan.steps if "all_reduce" in str(s.op)}       # (tensor, op, group_name)
-    return groups, dist.group.WORLD.group_name, df.distributed.comm_group(4).group_name, out.numpy()
+    return (groups, dist.group.WORLD.group_name, df.distributed.comm_group(4).group_name, out.numpy(),
+            _carveouts_match_concurrency(plan))
 
 
-def test_comm_ctas_moves_collectives_to_a_dedicated_communicator():
+def _carveouts_match_concurrency(plan):
+    """Whether exactly the kernels unordered with some collective leave SMs to it: (ok, how many do)."""
+    from dynaflow_fn import ops
+    from dynaflow_fn.ordering import Clocks
+
+    clocks = Clocks(plan.steps, len(plan.streams))
+    collectives = [s.index for s in plan.steps if ops.is_collective(s.op) and not ops.is_collective_wait(s.op)]
+    ok = True
+    for step in plan.steps:
+        beside = step.kind.name in ("KERNEL", "ALLOC") and step.index not in collectives and any(
+            not clocks.before(step.index, c) and not clocks.before(c, step.index) for c in collectives)
+        ok &= (step.sm_carveout == 4) if beside else step.sm_carveout is None
+    return ok, sum(1 for s in plan.steps if s.sm_carveout)
+
+
+def test_comm_ctas_moves_collectives_to_a_dedicated_communicator_and_leaves_them_sms():
     results = _spawn(_on_a_dedicated_communicator)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
     w1, w2 = _weights()
     expected = F.gelu(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ w1) @ w2
-    for groups, world_name, dedicated_name, out in (p for _, p in results):
+    for groups, world_name, dedicated_name, out, (carveouts_ok, marked) in (p for _, p in results):
         assert groups == {dedicated_name} and dedicated_name != world_name
+        assert carveouts_ok and marked > 0
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
 
 

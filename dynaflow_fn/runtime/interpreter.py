@@ -37,8 +37,25 @@ _RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: distributed.all_reduc
 """Plan ops that run through another function with the same effect (see each function)."""
 
 
-def compile_step(step: Step) -> Callable[[Env], None]:
-    """A closure that runs one step against an environment (a list indexed by slot)."""
+def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
+    """A closure that runs one step against an environment (a list indexed by slot); with `carveout`
+    (CUDA), a step marked to leave SMs to a collective runs under cuBLAS's SM carveout."""
+    runner = _compile_step(step)
+    if not (carveout and step.sm_carveout and hasattr(torch._C, "_set_sm_carveout_experimental")):
+        return runner
+    sms = step.sm_carveout
+
+    def run_leaving_sms(env: Env) -> None:
+        previous = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            runner(env)
+        finally:
+            torch._C._set_sm_carveout_experimental(previous)
+    return run_leaving_sms
+
+
+def _compile_step(step: Step) -> Callable[[Env], None]:
     if step.kind in (StepKind.FORK, StepKind.JOIN):
         return lambda env: None
     if step.kind is StepKind.COPY:
@@ -131,7 +148,7 @@ class BoundPlan:
             compile_step(step)(self.template)
         self.output_slots = [(slot, plan.storages[slot.storage]) for slot in plan.slots
                              if slot.bound and plan.storages[slot.storage].kind is StorageKind.OUTPUT]
-        self.runners = [compile_step(step) for step in plan.steps]
+        self.runners = [compile_step(step, carveout=device.type == "cuda") for step in plan.steps]
         self.release_after, self.cross_stream_reads = _release_schedule(plan)
 
     def new_env(self, inputs: Sequence[torch.Tensor]) -> Env:

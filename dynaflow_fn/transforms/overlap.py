@@ -53,7 +53,7 @@ class OverlapPass(Pass):
                 return node_info
             return node_info.replace(order=order[node.name], stream=stream_of[node_info.stage])
 
-        return record(program, program.annotate(update, streams=streams), self)
+        return record(program, program.annotate(update, streams=streams, collective_sms=self.comm_ctas), self)
 
 
 def _on_comm_group(program: Program, max_ctas: int) -> Program:
@@ -108,7 +108,9 @@ def overlap(fn: Any = None, strategy: "str | Scheduler" = "roundrobin", comm_cta
     "branches" or a `df.Scheduler`. Apply it last, after microbatch and partition.
 
     comm_ctas: run the collectives on a dedicated communicator limited to this many thread blocks
-        (`df.distributed.comm_group`), so they keep few SMs and run beside the compute kernels.
+        (`df.distributed.comm_group`), and have the kernels that may run beside a collective leave as
+        many SMs free (cuBLAS's SM carveout), so that the collective need not wait for a persistent
+        GEMM to drain.
 
     >>> step = T.overlap(step, strategy="tbo")
     """
