@@ -191,3 +191,25 @@ def test_parts_of_a_concatenation_are_not_overwritten_in_place():
     assert order.index("relu") > order.index("mm")
     for got, expected in zip(df.jit(step)(w, x), f(w, x)):
         torch.testing.assert_close(got, expected)
+
+
+def test_a_step_marked_to_leave_sms_runs_under_the_carveout_and_restores_it(monkeypatch):
+    from dynaflow_fn.plan import Step
+    from dynaflow_fn.runtime.interpreter import compile_step
+
+    carveout = {"value": None}
+    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: carveout["value"], raising=False)
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda v: carveout.update(value=v), raising=False)
+    seen = []
+
+    def kernel(x, out):
+        seen.append(carveout["value"])
+        if carveout["value"] is not None:
+            raise RuntimeError("failed kernel")
+
+    step = Step(0, StepKind.KERNEL, 1, kernel, (None,), {}, (0,), ("out",), sm_carveout=8)
+    env = [torch.zeros(1)]
+    compile_step(step, carveout=False)(env)                       # CPU: the setting is not touched
+    with pytest.raises(RuntimeError, match="failed kernel"):
+        compile_step(step, carveout=True)(env)
+    assert seen == [None, 8] and carveout["value"] is None        # restored even when the kernel fails
