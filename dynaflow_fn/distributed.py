@@ -116,11 +116,12 @@ def average(tree: Any, group: Any = None, bucket_mb: float = 25.0) -> Any:
 
     group = _group(group)
     world = dist.get_world_size(group)
+    nccl_averages = dist.get_backend(group) == "nccl"      # NCCL averages in the all-reduce: no extra pass
     leaves, spec = optree.tree_flatten(tree)
     averaged: list[Any] = list(leaves)
     for bucket in _buckets(leaves, bucket_mb * 2**20):
         flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
-        flat = all_reduce(flat, group) / world
+        flat = all_reduce(flat, group, op="avg") if nccl_averages else all_reduce(flat, group) / world
         pieces = flat.split([leaves[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces):
             averaged[i] = piece.view(leaves[i].shape)
