@@ -443,6 +443,7 @@ class _Lowering:
                     mine.update(j for j, other in writers[storage] + readers[storage] if _overlap(span, other) and j != i)
                     writers[storage].append((i, span))
             deps.append(mine)
+        self._add_pacing(steps, deps)
         if steps and steps[0].kind is StepKind.FORK:
             first_on: dict[int, int] = {}
             for i, step in enumerate(steps):
@@ -453,6 +454,18 @@ class _Lowering:
                 if stream != 0:
                     deps[i].add(0)
         return deps
+
+    def _add_pacing(self, steps: list[_StepDraft], deps: list[set[int]]) -> None:
+        """The schedule's pacing edges: a node's steps run after the last step of each stage in its `after`."""
+        node_info = {n.name: info(n) for n in self.program.ops()}
+        if not any(i.after for i in node_info.values()):
+            return
+        last_of_stage: dict[int, int] = {}
+        for i, step in enumerate(steps):
+            if step.node not in node_info:
+                continue
+            deps[i].update(last_of_stage[s] for s in node_info[step.node].after if s in last_of_stage)
+            last_of_stage[node_info[step.node].stage] = i
 
     def _memory_span(self, slot_index: int) -> tuple[int, tuple[int, int]]:
         """(top-level storage, byte range inside it) of a slot, following elided-cat placements."""

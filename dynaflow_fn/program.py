@@ -59,6 +59,8 @@ class NodeInfo:
     tags:   free-form labels from partition rules (e.g. "attn", "comm", "no-inductor").
     kind:   "compute", "memory", "comm" or "view", from the cost model.
     stream: the stream the schedule placed it on; order: its position in the issue order.
+    after:  stages that must finish before this node starts, though it reads nothing of theirs: the
+            schedule's pacing edges.
     """
 
     scopes: tuple[Scope, ...] = ()
@@ -67,6 +69,7 @@ class NodeInfo:
     kind: str | None = None
     stream: int | None = None
     order: int | None = None
+    after: tuple[int, ...] = ()
 
     @property
     def mb(self) -> int | None:

@@ -53,6 +53,45 @@ def test_every_strategy_equals_eager_and_the_sequential_microbatched_program(mod
             torch.testing.assert_close(fast(params, *x), reference, rtol=0, atol=0)
 
 
+def _stage_order(pace):
+    """For a TBO plan of the tiny Llama: per pair of stages (a, b) of different micro-batches, whether
+    every step of a happens before every step of b, and the pacing edges the schedule asked for."""
+    from dynaflow_fn.ordering import Clocks
+
+    fn, params, make, rules = _model("llama")
+    program = df.trace(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=rules),
+                                 strategy=T.TBO(pace=pace)), params, make())
+    plan = df.verify(df.lower(program))
+    clocks = Clocks(plan.steps, len(plan.streams))
+    stage_of = {n.name: info(n).stage for n in program.ops()}
+    steps_of = {}
+    for step in plan.steps:
+        if step.node in stage_of and step.kind is not StepKind.VIEW:
+            steps_of.setdefault(stage_of[step.node], []).append(step.index)
+    edges = {(a, info(n).stage) for n in program.ops() for a in info(n).after}
+    ordered = lambda a, b: all(clocks.before(x, y) for x in steps_of.get(a, []) for y in steps_of.get(b, []))
+    return edges, ordered
+
+
+def test_tbo_paces_micro_batches_so_the_offset_holds_in_the_plan():
+    edges, ordered = _stage_order(pace=True)
+    assert edges and all(ordered(a, b) for a, b in edges)
+    unpaced_edges, unpaced_ordered = _stage_order(pace=False)
+    assert not unpaced_edges
+    assert not all(unpaced_ordered(a, b) for a, b in edges)      # without pacing the offset is not kept
+
+
+def test_a_scheduler_can_only_pace_after_stages_issued_earlier():
+    class Backwards(df.Scheduler):
+        def schedule(self, graph):
+            last = len(graph.stages) - 1
+            return [T.Issue(s.index, 0, after=(last,) if s.index == 0 and last else ()) for s in graph.stages]
+
+    fn, params, make, rules = _model("mlp")
+    with pytest.raises(df.ScheduleError, match="can only wait for stages issued earlier"):
+        df.trace(T.overlap(T.partition(fn, rules=rules), strategy=Backwards()), params, make())
+
+
 def test_branches_runs_independent_subgraphs_on_separate_streams():
     model = TwoBranch()
     fn, params = df.pure(model)

@@ -65,16 +65,26 @@ class EachNode(T.Rule):
 
 
 class RandomScheduler(df.Scheduler):
-    """Any valid schedule: a random ready stage each time, on a random stream."""
+    """Any valid schedule: a random ready stage each time, on a random stream; with `pace`, sometimes
+    paced after random earlier stages."""
 
-    def __init__(self, seed, streams):
-        self.random, self.count = random.Random(seed), streams
+    def __init__(self, seed, streams, pace=True):
+        self.random, self.count, self.pace = random.Random(seed), streams, pace
 
     def streams(self, graph):
         return [Stream(i, f"s{i}") for i in range(self.count)]
 
     def pick(self, ready, graph, issued):
         return self.random.choice(ready), self.random.randrange(self.count)
+
+    def schedule(self, graph):
+        order = super().schedule(graph)
+        if not self.pace:
+            return order
+        earlier = lambda position: [issue.stage for issue in order[:position]]
+        return [T.Issue(issue.stage, issue.stream,
+                        tuple(self.random.sample(earlier(i), min(i, self.random.randrange(3)))))
+                for i, issue in enumerate(order)]
 
 
 def _schedule(fn, strategy, micro_batches, inputs):
@@ -104,7 +114,7 @@ def test_random_schedules_are_verified_and_exact(recipe, seed, streams, micro_ba
 def test_removing_any_event_wait_is_caught(recipe, seed, choice):
     inputs, fn = build(recipe)
     args = [torch.randn(8, 8) for _ in range(inputs + 1)]
-    plan = df.lower(df.trace(_schedule(fn, RandomScheduler(seed, 3), True, inputs), *args))
+    plan = df.lower(df.trace(_schedule(fn, RandomScheduler(seed, 3, pace=False), True, inputs), *args))
     waits = [(step.index, event) for step in plan.steps for event in step.waits]
     if not waits:
         return

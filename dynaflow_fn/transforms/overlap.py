@@ -47,11 +47,13 @@ class OverlapPass(Pass):
         for issue in issues:
             for name in members[issue.stage]:
                 order[name] = len(order)
+        after = {issue.stage: tuple(issue.after) for issue in issues}
 
         def update(node: Any, node_info: NodeInfo) -> NodeInfo:
             if node.name not in order:
                 return node_info
-            return node_info.replace(order=order[node.name], stream=stream_of[node_info.stage])
+            return node_info.replace(order=order[node.name], stream=stream_of[node_info.stage],
+                                     after=after[node_info.stage])
 
         return record(program, program.annotate(update, streams=streams, collective_sms=self.comm_ctas), self)
 
@@ -97,6 +99,10 @@ def _check_schedule(graph: StageGraph, streams: Sequence[Stream], issues: Sequen
         missing = sorted(stage.needs - issued)
         if missing:
             raise ScheduleError(f"{name} issued {stage} before {graph.stages[missing[0]]}, whose results it reads")
+        early = [s for s in issue.after if s not in issued]
+        if early:
+            raise ScheduleError(f"{name} issued {stage} after={list(issue.after)}, but stage {early[0]} is not "
+                                f"issued before it; a stage can only wait for stages issued earlier")
         issued.add(issue.stage)
     left = [s for s in graph.stages if s.index not in issued]
     if left:

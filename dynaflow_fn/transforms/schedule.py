@@ -84,10 +84,16 @@ class StageGraph:
 
 @dataclass(frozen=True)
 class Issue:
-    """One entry of a schedule: issue `stage` on `stream`."""
+    """One entry of a schedule: issue `stage` on `stream`.
+
+    `after` names stages (issued earlier) that must finish before this one starts although it reads
+    nothing of theirs. A CUDA graph runs every kernel whose inputs are ready, whatever the issue order;
+    such pacing edges keep an intended offset between micro-batches (two-batch overlap) in the graph.
+    """
 
     stage: int
     stream: int
+    after: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -168,36 +174,49 @@ class RoundRobin(Scheduler):
 
 class TBO(RoundRobin):
     """Two-batch overlap: micro-batch i runs `offset` stages behind micro-batch i-1, so stage k of one
-    micro-batch is issued next to stage k+offset of the other (attention beside MLP, say)."""
+    micro-batch is issued next to stage k+offset of the other (attention beside MLP, say).
 
-    def __init__(self, offset: int = 1, comm_stream: bool = True, comm_priority: int = COMM_PRIORITY):
+    The stages are issued in steps: at step t, stage t - i*offset of micro-batch i. With `pace` (the
+    default), a stage also waits for the other micro-batches' stages of the previous step, so the
+    offset holds on the device, inside a CUDA graph too, instead of the micro-batches drifting into
+    lockstep (where their collectives would queue at the same time).
+    """
+
+    def __init__(self, offset: int = 1, comm_stream: bool = True, comm_priority: int = COMM_PRIORITY,
+                 pace: bool = True):
         super().__init__(None, comm_stream, comm_priority)
-        self.offset = offset
+        self.offset, self.pace = offset, pace
 
     def schedule(self, graph: StageGraph) -> list[Issue]:
         per_mb = {mb: graph.of_micro_batch(mb) for mb in graph.micro_batches}
         issued: set[int] = set()
         order: list[Issue] = []
 
-        def issue(stage: Stage) -> None:
+        def issue(stage: Stage, after: tuple[int, ...] = ()) -> None:
             for need in sorted(stage.needs - issued):
                 issue(graph.stages[need])
             if stage.index not in issued:
                 issued.add(stage.index)
-                order.append(Issue(stage.index, self.stream_for(stage, graph)))
+                order.append(Issue(stage.index, self.stream_for(stage, graph), after))
 
         longest = max((len(s) for s in per_mb.values()), default=0)
+        previous_step: dict[int, int] = {}
         for step in range(longest + self.offset * len(per_mb)):
+            this_step: dict[int, int] = {}
             for i, mb in enumerate(graph.micro_batches):
                 k = step - i * self.offset
                 if 0 <= k < len(per_mb[mb]):
-                    issue(per_mb[mb][k])
+                    stage = per_mb[mb][k]
+                    pacing = tuple(s for m, s in previous_step.items() if m != mb and s in issued) if self.pace else ()
+                    issue(stage, pacing)
+                    this_step[mb] = stage.index
+            previous_step = this_step or previous_step
         for stage in graph.stages:
             issue(stage)
         return order
 
     def describe(self) -> str:
-        return f"tbo(offset={self.offset})"
+        return f"tbo(offset={self.offset}" + (")" if self.pace else ", pace=False)")
 
 
 class Branches(Scheduler):
