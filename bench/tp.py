@@ -8,8 +8,10 @@ Variants, each one CUDA graph over the whole stack:
   bound          the same program with the collectives removed (what hiding them perfectly would give)
   hand-rr2       hand-written round-robin: 2 micro-batches, compute stream + comm stream, events
   df.jit         dynaflow_fn with no transforms
-  df.rr2/tbo2    microbatch(2) + overlap("roundrobin" / "tbo"): micro-batch streams, high-priority comm stream
-  df.rr2-ctasN   the same, collectives on a communicator limited to N thread blocks (NCCL max_ctas)
+  df.rr2/tbo2    microbatch(2) + overlap("roundrobin" / "tbo"): micro-batch streams, high-priority comm stream;
+                 tbo's pacing edges keep micro-batch 1 one stage behind (df.tbo2-unpaced: without them)
+  df.rr2-ctasN   the same, collectives on a communicator limited to N thread blocks (NCCL max_ctas), and
+                 the kernels beside a collective leaving N SMs free (cuBLAS SM carveout)
   df.auto        strategy="auto": the fastest candidate, measured when first called (build_s = choosing time)
 Rank 0 prints medians, ratios, the share of the collective time hidden ((baseline - t) / (baseline -
 bound)), the peak memory and wall time of building each variant, and writes bench/results/tp<N>.json
@@ -118,6 +120,7 @@ def run_case(tokens, context, layers, tp, device, shape, ctas_budgets):
         "df.jit": lambda: jitted(functional),
         "df.rr2": lambda: jitted(overlapped("roundrobin")),
         "df.tbo2": lambda: jitted(overlapped("tbo")),
+        "df.tbo2-unpaced": lambda: jitted(overlapped(T.TBO(pace=False))),
         **{f"df.rr2-ctas{n}": (lambda n=n: jitted(overlapped("roundrobin", n))) for n in ctas_budgets},
         **{f"df.tbo2-ctas{n}": (lambda n=n: jitted(overlapped("tbo", n))) for n in ctas_budgets},
         "df.auto": lambda: jitted(functional, strategy="auto", in_axes=in_axes, progress=False),
