@@ -7,6 +7,8 @@
   df.dp      one traced step: df.value_and_grad, df.distributed.average (25 MB buckets), df.optim.adamw,
              T.overlap(strategy="roundrobin") putting each bucket's all-reduce on the comm stream;
              parameters and state donated; replayed as one CUDA graph
+  df.dp-ctas8  the same with comm_ctas=8: all-reduces on an 8-CTA communicator, the kernels beside them
+             leaving 8 SMs free
 
 Model: the plain Llama-like decoder of bench/train.py (8 layers x 2048, bf16). Rank 0 prints medians,
 global tokens/s and ratios, and writes bench/results/dp<N>.json.
@@ -36,7 +38,7 @@ def ddp_step(ids: torch.Tensor, device: torch.device):
     return step
 
 
-def df_step(ids: torch.Tensor, device: torch.device):
+def df_step(ids: torch.Tensor, device: torch.device, comm_ctas: int | None = None):
     model = make_model(device)
     forward, params = df.pure(model)
     params = {k: v.detach() for k, v in params.items()}
@@ -48,7 +50,7 @@ def df_step(ids: torch.Tensor, device: torch.device):
         params, state = optimizer.update(df.distributed.average(grads), state, params)
         return params, state, loss
 
-    fast = df.jit(T.overlap(train_step, strategy="roundrobin"), donate_argnums=(0, 1))
+    fast = df.jit(T.overlap(train_step, strategy="roundrobin", comm_ctas=comm_ctas), donate_argnums=(0, 1))
     return lambda: fast(params, state, ids)[2]
 
 
@@ -59,7 +61,8 @@ def main() -> None:
     for batch, tokens in ((1, 256), (4, 2048)):
         ids = torch.randint(0, VOCAB, (batch, tokens), device=device, generator=torch.Generator(device).manual_seed(
             dist.get_rank()))
-        steps = {"ddp": ddp_step(ids, device), "df.dp": df_step(ids, device)}
+        steps = {"ddp": ddp_step(ids, device), "df.dp": df_step(ids, device),
+                 "df.dp-ctas8": df_step(ids, device, comm_ctas=8)}
         timings = time_variants(steps, rounds=3, repeats=5, inner=1)
         for name, timing in timings.items():
             rows.append({"case": f"DP={world}, 8 layers x 2048, {batch} x {tokens} tokens per rank", "variant": name,
