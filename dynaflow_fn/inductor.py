@@ -32,6 +32,7 @@ import torch
 from torch import fx
 
 from . import ops
+from .lower import setup_nodes
 from .program import NodeInfo, Program, info, op_name
 from .transforms.base import Pass, record
 
@@ -117,7 +118,7 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
     an input) neither join nor break a run: they cost nothing, and keeping them outside lets the
     micro-batches' runs share one compiled graph.
     """
-    precomputed = _input_independent(program)
+    precomputed = setup_nodes(program)
     runs: list[list[fx.Node]] = []
     run_of: dict[fx.Node, int] = {}
     open_key: Any = None
@@ -153,15 +154,6 @@ def _returns_tensor_lists(op: torch._ops.OpOverload) -> bool:
     """Multi-tensor ops (`_foreach_*`, `_fused_adamw`): optimizer updates, which lowering runs in place
     on donated parameters and state. Inside a compiled run they would write new tensors, copied back."""
     return any(str(r.type) == "List[Tensor]" and r.alias_info is None for r in op._schema.returns)
-
-
-def _input_independent(program: Program) -> set[fx.Node]:
-    """Nodes that lowering computes once at setup: they read only constants."""
-    independent = {n for n in program.graph.nodes if n.op == "get_attr"}
-    for node in program.ops():
-        if ops.can_precompute(node.target) and all(dep in independent for dep in node.all_input_nodes):
-            independent.add(node)
-    return independent
 
 
 # --- extracting and replacing a run ----------------------------------------------------------------

@@ -110,7 +110,7 @@ class _Lowering:
         self.slot_of: dict[tuple[fx.Node, int], int] = {}
         self.setup: list[_StepDraft] = []
         self.steps: list[_StepDraft] = []
-        self.hoisted: set[fx.Node] = set()
+        self.hoisted = setup_nodes(program)
         self.inplace: set[fx.Node] = set()
         self.input_slots: list[int] = []
         self.num_events = 0
@@ -215,7 +215,6 @@ class _Lowering:
         for node in self.program.graph.nodes:
             if node.op == "get_attr":
                 self._slot_for_value(node, 0, node.meta["val"], True, StorageKind.CONSTANT, constant=node.target)
-                self.hoisted.add(node)
 
     def _ref(self, arg: Any) -> Any:
         """Replace fx Nodes in an argument structure by slot references."""
@@ -230,12 +229,10 @@ class _Lowering:
             for k in range(count):
                 if (parent, start + k) in self.slot_of:
                     self.slot_of[(node, k)] = self.slot_of[(parent, start + k)]
-            if parent in self.hoisted:
-                self.hoisted.add(node)
             return
         op = node.target
         values = _values(node)
-        hoist = self._can_hoist(node)
+        hoist = node in self.hoisted
         destination = self.setup if hoist else self.steps
         stream = info(node).stream or 0
         args, kwargs = self._ref(tuple(node.args)), self._ref(dict(node.kwargs))
@@ -261,8 +258,6 @@ class _Lowering:
             self._alias_to_base(node, fresh)
             fresh = []
         result_indices = tuple(i for i, _ in tensors) if isinstance(node.meta.get("val"), (list, tuple)) else ()
-        if hoist:
-            self.hoisted.add(node)
         if not fresh:
             outputs = tuple(self._slot_for_value(node, i, v, False) for i, v in tensors)
             destination.append(_StepDraft(StepKind.VIEW, stream, op, args, kwargs, outputs, node=node.name,
@@ -310,10 +305,6 @@ class _Lowering:
         storage = self.slots[self.slot_of[(base, 0)]].storage
         for _, value in values:
             self.storage_of_key[_storage_key(value)] = storage
-
-    def _can_hoist(self, node: fx.Node) -> bool:
-        """Deterministic work that reads only constants runs once, at bind time."""
-        return ops.can_precompute(node.target) and all(dep in self.hoisted for dep in node.all_input_nodes)
 
     def _is_input_slot(self, node: fx.Node) -> bool:
         return self.storages[self.slots[self.slot_of[(node, 0)]].storage].kind is StorageKind.INPUT
@@ -507,6 +498,16 @@ class _Lowering:
             start = slot.byte_range()[0]
             slots.append(replace(slot, storage=new_index[storage], byte_offset=span[0] - start))
         return storages, tuple(slots), layout.nbytes
+
+
+def setup_nodes(program: Program) -> set[fx.Node]:
+    """The nodes lowering computes once, at setup: the program's constants and the deterministic work
+    that reads only them (masks, position ids, rotary tables)."""
+    independent = {n for n in program.graph.nodes if n.op == "get_attr"}
+    for node in program.ops():
+        if ops.can_precompute(node.target) and all(dep in independent for dep in node.all_input_nodes):
+            independent.add(node)
+    return independent
 
 
 def _leave_sms_to_collectives(steps: tuple[Step, ...], clocks: Clocks, sms: int | None) -> tuple[Step, ...]:
