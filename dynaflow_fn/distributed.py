@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import ops
 from .errors import DynaflowError
-from .plan import Plan, StepKind
+from .plan import Plan
 
 
 class DistributedError(DynaflowError):
@@ -150,7 +150,7 @@ def collective_signature(plan: Plan) -> list[tuple]:
     """The plan's collectives in issue order: op, arguments that are not tensors, and tensor shapes."""
     signature = []
     for step in plan.steps:
-        if step.kind is StepKind.FORK or not ops.is_collective(step.op) or ops.is_collective_wait(step.op):
+        if not ops.launches_collective(step.op):
             continue
         shapes = tuple((plan.slots[s].layout.shape, str(plan.slots[s].layout.dtype)) for s in step.reads())
         constants = tuple(a for a in step.args if isinstance(a, (int, float, str)))

@@ -514,8 +514,7 @@ def _leave_sms_to_collectives(steps: tuple[Step, ...], clocks: Clocks, sms: int 
     """Mark the kernels that may run while a collective does (neither ordered before nor after it) to
     leave `sms` SMs free: a persistent GEMM takes every SM, and the collective's thread blocks would
     wait for it to finish instead of running beside it."""
-    collectives = np.array([s.index for s in steps if ops.is_collective(s.op) and not ops.is_collective_wait(s.op)],
-                           dtype=np.int64)
+    collectives = np.array([s.index for s in steps if ops.launches_collective(s.op)], dtype=np.int64)
     if sms is None or not len(collectives):
         return steps
     everything = np.arange(len(steps))

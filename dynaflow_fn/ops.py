@@ -140,3 +140,8 @@ def is_collective_wait(op: Any) -> bool:
 def is_collective(op: Any) -> bool:
     """Whether an op communicates with other ranks (a functional collective or its wait)."""
     return isinstance(op, torch._ops.OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
+
+
+def launches_collective(op: Any) -> bool:
+    """Whether an op starts a collective (a collective other than its wait)."""
+    return is_collective(op) and not is_collective_wait(op)

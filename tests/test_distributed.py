@@ -122,7 +122,7 @@ def _carveouts_match_concurrency(plan):
     from dynaflow_fn.ordering import Clocks
 
     clocks = Clocks(plan.steps, len(plan.streams))
-    collectives = [s.index for s in plan.steps if ops.is_collective(s.op) and not ops.is_collective_wait(s.op)]
+    collectives = [s.index for s in plan.steps if ops.launches_collective(s.op)]
     ok = True
     for step in plan.steps:
         beside = step.kind.name in ("KERNEL", "ALLOC") and step.index not in collectives and any(

@@ -64,7 +64,7 @@ def _on_comm_group(program: Program, max_ctas: int) -> Program:
 
     graph_module, _ = copy_graph_module(program.graph_module)
     for node in graph_module.graph.nodes:
-        if node.op != "call_function" or not ops.is_collective(node.target) or ops.is_collective_wait(node.target):
+        if node.op != "call_function" or not ops.launches_collective(node.target):
             continue
         names = [argument.name for argument in node.target._schema.arguments]
         if "group_name" not in names:
