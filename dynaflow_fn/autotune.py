@@ -132,32 +132,34 @@ def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], p
     candidate under the same clocks and temperature, so a drift during measuring cannot pick the
     winner. Candidates that fail to build or run are skipped, with a message.
     """
-    timers: dict[str, Callable[[], float]] = {}
     bar = tqdm(total=len(names) * (1 + rounds), desc="df.jit strategy=auto", disable=not progress, leave=False)
 
     def attempt(name: str, action: Callable[[], Any]) -> Any:
+        """action(), or None with a message if it fails."""
         bar.set_postfix_str(name)
         try:
             return action()
         except Exception as error:
             bar.write(f"strategy=auto: candidate {name} skipped ({type(error).__name__}: {error})")
-            timers.pop(name, None)
             return None
         finally:
             bar.update()
 
+    timers: dict[str, Callable[[], float]] = {}
     for name in names:
         timer = attempt(name, lambda: build(name))
         if timer is not None:
             timers[name] = timer
     samples: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(rounds):
-        for name in list(timers):
+        for name in list(samples):
             sample = attempt(name, timers[name])
-            if sample is not None and name in samples:
+            if sample is None:
+                del samples[name]
+            else:
                 samples[name].append(sample)
     bar.close()
-    return {name: statistics.median(values) for name, values in samples.items() if values and name in timers}
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def agree(choice: str) -> str:

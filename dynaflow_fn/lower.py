@@ -520,7 +520,7 @@ def _leave_sms_to_collectives(steps: tuple[Step, ...], clocks: Clocks, sms: int 
     everything = np.arange(len(steps))
     beside = np.zeros(len(steps), dtype=bool)
     for c in collectives:
-        beside |= ~clocks.before_all(c, everything) & ~clocks.after_all(c, everything) & (everything != c)
+        beside |= ~clocks.before_all(c, everything) & ~clocks.after_all(c, everything)
     beside[collectives] = False
     return tuple(replace(s, sm_carveout=sms) if beside[s.index] and s.kind in (StepKind.KERNEL, StepKind.ALLOC)
                  else s for s in steps)

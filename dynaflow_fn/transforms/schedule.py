@@ -207,7 +207,7 @@ class TBO(RoundRobin):
                 k = step - i * self.offset
                 if 0 <= k < len(per_mb[mb]):
                     stage = per_mb[mb][k]
-                    pacing = tuple(s for m, s in previous_step.items() if m != mb and s in issued) if self.pace else ()
+                    pacing = tuple(s for m, s in previous_step.items() if m != mb) if self.pace else ()
                     issue(stage, pacing)
                     this_step[mb] = stage.index
             previous_step = this_step or previous_step
