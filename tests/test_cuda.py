@@ -122,6 +122,23 @@ def test_persistent_arguments_are_read_in_place():
     assert fast.cache_info().captures == 1
 
 
+def test_a_persistent_tensor_given_a_new_layout_or_new_memory_is_noticed():
+    def scale(state, x):
+        return x * state["factor"]
+
+    factor = torch.arange(4.0, device="cuda")
+    state = {"factor": factor}
+    fast = df.jit(scale, persistent_argnums=(0,))
+    x = torch.randn(4, 4, device="cuda")
+    fast(state, x)
+    torch.testing.assert_close(fast(state, x), x * factor)
+    factor.unsqueeze_(1)                        # same tensor and memory, new layout
+    torch.testing.assert_close(fast(state, x), x * factor)
+    factor.data = torch.randn(4, 1, device="cuda", dtype=torch.float64)   # new memory and dtype, same version
+    torch.testing.assert_close(fast(state, x), x * factor)
+    assert fast.cache_info().misses == 3 and fast.cache_info().hits == 1
+
+
 def _microbatched(fn, rules, strategy):
     return df.jit(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=rules), strategy=strategy))
 

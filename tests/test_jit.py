@@ -1,5 +1,6 @@
 import warnings
 
+import optree
 import pytest
 import torch
 
@@ -55,6 +56,30 @@ def test_new_shape_dtype_rank_or_structure_traces_again():
     torch.testing.assert_close(pair((torch.ones(2), torch.ones(2))), torch.full((2,), 2.0))
     torch.testing.assert_close(pair((torch.ones(2), torch.ones(2), torch.zeros(2))), torch.ones(2))
     assert pair.cache_info().misses == 2
+
+
+def test_a_tensor_changed_in_place_in_layout_traces_again():
+    fast = df.jit(lambda x: x.sum(0))
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(fast(x), x.sum(0))
+    x.t_()
+    torch.testing.assert_close(fast(x), x.sum(0))
+    assert fast.cache_info().misses == 2
+
+
+def test_the_call_guard_knows_a_pinned_tensor_by_identity_and_version():
+    from dynaflow_fn.jit import _Guard
+
+    weight, x = torch.randn(3), torch.randn(3)
+    leaves, treedef = optree.tree_flatten(((weight, x, 2), {}))
+    guard = _Guard(treedef, leaves, pinned=[0])
+    assert guard.admits(treedef, [weight, torch.randn(3), 2])
+    assert not guard.admits(treedef, [weight.clone(), x, 2])           # another tensor, same layout
+    assert not guard.admits(treedef, [weight, torch.randn(4), 2])      # the other leaves are compared in full
+    assert not guard.admits(treedef, [weight, x, 3])
+    assert not guard.admits(optree.tree_structure(((weight, x), {})), [weight, x])
+    weight.unsqueeze_(0)                                               # every in-place layout change counts
+    assert not guard.admits(treedef, [weight, x, 2])
 
 
 def test_static_leaf_value_is_part_of_the_key():

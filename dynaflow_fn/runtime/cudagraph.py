@@ -35,6 +35,7 @@ class CudaGraphExecutable:
                                                                           dtype=tensor.dtype, device=device)
                               for tensor, adopted in zip(inputs, adopt)]
         self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
+        self.addresses = [(i, tensor.data_ptr()) for i, (tensor, adopted) in enumerate(zip(inputs, adopt)) if adopted]
         self.written_inputs = plan.written_inputs()
         self.write_back = [i for i in self.written_inputs if not adopt[i]]
         self.env = self.bound.new_env(self.static_inputs)
@@ -70,8 +71,8 @@ class CudaGraphExecutable:
                 self.static_inputs[i].copy_(inputs[i].detach())
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        for i, adopted in enumerate(self.adopt):
-            if adopted and inputs[i].data_ptr() != self.static_inputs[i].data_ptr():
+        for i, address in self.addresses:
+            if inputs[i].data_ptr() != address:
                 raise AdoptedInputMoved(i)
         self._load_inputs(inputs)
         self.graph.replay()
