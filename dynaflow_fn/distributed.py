@@ -106,18 +106,23 @@ def shard(tensor: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
 def average(tree: Any, group: Any = None, bucket_mb: float = 25.0) -> Any:
     """The mean across ranks of every tensor in a pytree: data-parallel gradient averaging.
 
-    Tensors are packed into buckets of about `bucket_mb` (last leaves first, the order in which a
-    backward pass produces gradients) and each bucket is all-reduced once, as DDP does. Under df.jit
-    the packing copies nothing: each gradient kernel writes straight into its place in the bucket.
-    With `T.overlap`, a bucket's all-reduce runs on the comm stream as soon as its gradients exist,
-    beside the rest of the backward pass.
+    Tensors are packed into buckets of about `bucket_mb` and each bucket is all-reduced once, as DDP
+    does. Buckets are filled from the last leaf in insertion order (dicts as built, not sorted by key),
+    which for a model's parameters in registration order is the order in which a backward pass
+    produces their gradients. That order matters: the comm stream runs the buckets one after another,
+    so a bucket that is ready late (sorted keys put "embed" beside "head", and "blocks.10" beside
+    "blocks.1") holds back every bucket after it. Under df.jit the packing copies nothing: each
+    gradient kernel writes straight into its place in the bucket. With `T.overlap`, a bucket's
+    all-reduce runs on the comm stream as soon as its gradients exist, beside the rest of the
+    backward pass.
     """
     import optree
 
     group = _group(group)
     world = dist.get_world_size(group)
     nccl_averages = dist.get_backend(group) == "nccl"      # NCCL averages in the all-reduce: no extra pass
-    leaves, spec = optree.tree_flatten(tree)
+    with optree.dict_insertion_ordered(True, namespace=_INSERTION_ORDER):
+        leaves, spec = optree.tree_flatten(tree, namespace=_INSERTION_ORDER)
     averaged: list[Any] = list(leaves)
     for bucket in _buckets(leaves, bucket_mb * 2**20):
         flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
@@ -126,6 +131,9 @@ def average(tree: Any, group: Any = None, bucket_mb: float = 25.0) -> Any:
         for i, piece in zip(bucket, pieces):
             averaged[i] = piece.view(leaves[i].shape)
     return optree.tree_unflatten(spec, averaged)
+
+
+_INSERTION_ORDER = "dynaflow_fn.insertion_order"    # an optree namespace in which dicts keep their order
 
 
 def _buckets(leaves: list[torch.Tensor], capacity: float) -> list[list[int]]:

@@ -296,6 +296,18 @@ def test_data_parallel_step_equals_the_full_batch_step():
         torch.testing.assert_close(torch.from_numpy(params1[k]), params[k])
 
 
+def _bucket_sizes(rank, world):
+    tree = {f"layers.{i}": torch.ones(i + 1) for i in range(12)}      # sorted keys would put 10 after 1
+    program = df.trace(lambda t: df.distributed.average(t, bucket_mb=1e-6), tree)
+    return [n.args[0].meta["val"].numel() for n in program.ops() if "all_reduce" in str(n.target)]
+
+
+def test_average_fills_buckets_in_the_order_a_backward_pass_produces_gradients():
+    (ok, sizes), = _spawn(_bucket_sizes, world=1)
+    assert ok, sizes
+    assert sizes == list(range(12, 0, -1))      # last inserted first, not last in sorted key order
+
+
 def _tp_example(rank, world):
     import importlib.util
 
