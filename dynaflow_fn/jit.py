@@ -22,6 +22,7 @@ import optree
 import torch
 
 from . import autotune, distributed, tree
+from .causal import use_causal_kernels
 from .errors import InputError
 from .inductor import compile_stages
 from .lower import lower
@@ -201,7 +202,7 @@ class Jitted:
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms) that a call with these arguments runs."""
-        return trace(self.fn, *args, **kwargs)
+        return use_causal_kernels(trace(self.fn, *args, **kwargs))
 
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
         """The Plan that a call with these arguments runs (built, not run, if not cached yet; with
@@ -248,7 +249,7 @@ class Jitted:
 
         donated = tensors_of(self.donate_argnums, "donate_argnums")
         persistent = tensors_of(self.persistent_argnums, "persistent_argnums")
-        program = trace(fn, *args, **kwargs)
+        program = use_causal_kernels(trace(fn, *args, **kwargs))
         if self.backend == "inductor":
             program = compile_stages(program, self.progress)
         donation = _match_donations(program, donated,

@@ -161,7 +161,7 @@ def _output_specs(paths: Sequence[tuple], leaves: Sequence[Any]) -> tuple[Output
 
 def _rebuild(traced: fx.GraphModule, input_names: Sequence[str], scopes: dict[fx.Node, tuple]) -> fx.GraphModule:
     """Copy the traced graph with readable placeholder names, scope annotations and no dead nodes."""
-    _eliminate_dead_code(traced.graph)
+    eliminate_dead_code(traced.graph)
     graph = fx.Graph()
     node_map: dict[fx.Node, fx.Node] = {}
     old_placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
@@ -175,7 +175,7 @@ def _rebuild(traced: fx.GraphModule, input_names: Sequence[str], scopes: dict[fx
     return fx.GraphModule(traced, graph)
 
 
-def _eliminate_dead_code(graph: fx.Graph) -> None:
+def eliminate_dead_code(graph: fx.Graph) -> None:
     """Drop nodes nobody uses, keeping mutations (the `copy_` write-backs into inputs)."""
     for node in reversed(list(graph.nodes)):
         if node.op not in ("call_function", "get_attr") or node.users:

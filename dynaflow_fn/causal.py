@@ -1,0 +1,103 @@
+"""Attention masks that are provably causal become `is_causal=True`.
+
+Libraries that build their own masks (transformers' `create_causal_mask`) cannot drop the mask while
+traced: deciding that it is purely causal needs the values of the position ids, which a trace on fake
+tensors does not have. So the traced attention reads a [batch, 1, L, L] mask and runs a kernel that
+adds it as a bias, where eager PyTorch runs the causal kernel, which reads no mask and skips the
+blocked half of the scores.
+
+A mask computed from constants alone (arange, comparisons, where; no input) is itself a constant of
+the Program. This pass computes each such mask once, and where it is exactly the causal pattern
+(allowed on and below the diagonal, fully blocked above: `True`/`False`, or `0`/`-inf` and the
+dtype's lowest value as transformers writes it), the attention ops that read it, forward and
+backward alike, drop it and pass `is_causal=True`. A mask that depends on an input (padding), that is
+not square, or whose values cannot be read (a program on the meta device) is left as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from .lower import setup_nodes
+from .program import Program, copy_graph_module
+from .trace import eliminate_dead_code
+
+MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+
+
+def use_causal_kernels(program: Program) -> Program:
+    """The program with every attention whose mask is provably causal running as `is_causal=True`."""
+    constant = setup_nodes(program)
+    readers = [n for n in program.ops() if _mask_argument(n.target) and not _bound(n).get("is_causal")]
+    masks = {_bound(n)[_mask_argument(n.target)] for n in readers} & constant
+    causal = {mask for mask in masks if _is_causal(_evaluate(mask, program.graph_module, {}))}
+    if not causal:
+        return program
+    graph_module, node_map = copy_graph_module(program.graph_module)
+    for node in readers:
+        if _bound(node)[_mask_argument(node.target)] in causal:
+            _set_arguments(node_map[node], {_mask_argument(node.target): None, "is_causal": True})
+    eliminate_dead_code(graph_module.graph)
+    graph_module.recompile()
+    return program.with_graph(graph_module, provenance=program.provenance + ("causal masks",))
+
+
+def _mask_argument(op: Any) -> str | None:
+    """The name of an attention op's mask argument, if it also takes `is_causal`."""
+    if not isinstance(op, torch._ops.OpOverload) or "scaled_dot_product" not in op._schema.name:
+        return None
+    names = {argument.name for argument in op._schema.arguments}
+    return next((name for name in MASK_ARGUMENTS if name in names), None) if "is_causal" in names else None
+
+
+def _bound(node: fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name, defaults included."""
+    schema = node.target._schema
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound.update(zip((a.name for a in schema.arguments), node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _set_arguments(node: fx.Node, values: dict[str, Any]) -> None:
+    names = [argument.name for argument in node.target._schema.arguments]
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for name, value in values.items():
+        position = names.index(name)
+        if position < len(args):
+            args[position] = value
+        else:
+            kwargs[name] = value
+    node.args, node.kwargs = tuple(args), kwargs
+
+
+def _evaluate(node: fx.Node, graph_module: fx.GraphModule, values: dict[fx.Node, Any]) -> Any:
+    """The value of a node that reads only constants, computed now on its device."""
+    if node not in values:
+        if node.op == "get_attr":
+            values[node] = operator.attrgetter(node.target)(graph_module)
+        else:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _evaluate(n, graph_module, values))
+            values[node] = node.target(*args, **kwargs)
+    return values[node]
+
+
+def _is_causal(mask: Any) -> bool:
+    """Whether a [..., L, L] mask allows exactly the positions on and below the diagonal, and blocks
+    the others completely, in every batch and head."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.device.type == "meta":
+        return False
+    rows, columns = mask.shape[-2:]
+    if rows != columns:
+        return False
+    below = torch.ones(rows, columns, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == below).all())
+    if not mask.is_floating_point():
+        return False
+    blocked = mask <= torch.finfo(mask.dtype).min
+    return bool(((mask == 0) == below).all() and (blocked == ~below).all())
