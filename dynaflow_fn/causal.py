@@ -8,9 +8,12 @@ blocked half of the scores.
 
 A mask computed from constants alone (arange, comparisons, where; no input) is itself a constant of
 the Program. This pass computes each such mask once, and where it is exactly the causal pattern
-(allowed on and below the diagonal, fully blocked above: `True`/`False`, or `0`/`-inf` and the
-dtype's lowest value as transformers writes it), the attention ops that read it, forward and
-backward alike, drop it and pass `is_causal=True`. A mask that depends on an input (padding), that is
+(allowed on and below the diagonal, blocked above), the attention ops that read it, forward and
+backward alike, drop it and pass `is_causal=True`. Boolean masks block with False; additive ones
+with -inf or any bias at or below -65504, the lowest float16, which is what transformers writes
+(in bfloat16 too). Such a bias adds exactly nothing to a softmax in float32 (exp underflows to 0)
+unless a blocked score exceeds its row's largest allowed score by more than 65000, so the causal
+kernel computes what the masked one meant, and what eager transformers runs without a trace. A mask that depends on an input (padding), that is
 not square, or whose values cannot be read (a program on the meta device) is left as it is.
 """
 
@@ -27,6 +30,7 @@ from .program import Program, copy_graph_module
 from .trace import eliminate_dead_code
 
 MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+BLOCKED = torch.finfo(torch.float16).min       # an additive bias this low blocks a position
 
 
 def use_causal_kernels(program: Program) -> Program:
@@ -99,5 +103,5 @@ def _is_causal(mask: Any) -> bool:
         return bool((mask == below).all())
     if not mask.is_floating_point():
         return False
-    blocked = mask <= torch.finfo(mask.dtype).min
+    blocked = mask <= BLOCKED
     return bool(((mask == 0) == below).all() and (blocked == ~below).all())

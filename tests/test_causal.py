@@ -64,6 +64,7 @@ CAUSAL = {
     "additive -inf": lambda p: torch.zeros(len(p), len(p)).masked_fill(p[:, None] < p[None, :], float("-inf")),
     "additive lowest": lambda p: torch.zeros(len(p), len(p)).masked_fill(p[:, None] < p[None, :],
                                                                          torch.finfo(torch.float32).min),
+    "additive lowest float16": lambda p: torch.zeros(len(p), len(p)).masked_fill(p[:, None] < p[None, :], -65536.0),
 }
 NOT_CAUSAL = {
     "sliding window": lambda p: (p[:, None] >= p[None, :]) & (p[:, None] - p[None, :] < 3),
