@@ -126,13 +126,19 @@ def choose(timings: dict[str, float]) -> str:
 
 def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], progress: bool = True,
             rounds: int = 3) -> dict[str, float]:
-    """Build every candidate by name, then time them in interleaved rounds and keep each one's median.
+    """Time every candidate side by side with the first (no overlap), holding at most two built.
 
-    `build(name)` returns a function that times one round of that candidate. Interleaving puts every
-    candidate under the same clocks and temperature, so a drift during measuring cannot pick the
-    winner. Candidates that fail to build or run are skipped, with a message.
+    `build(name)` returns a function that times one round of that candidate. The first candidate stays
+    built; every other one is built, timed in `rounds` rounds that alternate with the first, and
+    dropped before the next one is built, so choosing needs the device memory of two plans rather
+    than of all of them. Alternating puts a candidate and its reference under the same clocks and
+    temperature, and each candidate's median is rescaled by how far the reference drifted in its
+    window from the reference's median over the whole measurement, so candidates timed a minute
+    apart still compare fairly. Candidates that fail to build or run are skipped, with a message.
     """
-    bar = tqdm(total=len(names) * (1 + rounds), desc="df.jit strategy=auto", disable=not progress, leave=False)
+    reference_name, *others = names
+    bar = tqdm(total=len(names) + rounds * max(len(others), 1), desc="df.jit strategy=auto",
+               disable=not progress, leave=False)
 
     def attempt(name: str, action: Callable[[], Any]) -> Any:
         """action(), or None with a message if it fails."""
@@ -145,21 +151,35 @@ def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], p
         finally:
             bar.update()
 
-    timers: dict[str, Callable[[], float]] = {}
-    for name in names:
+    bar.set_postfix_str(reference_name)
+    reference = build(reference_name)
+    bar.update()
+    everything: list[float] = []
+    windows: dict[str, tuple[list[float], list[float]]] = {}
+    for name in others:
         timer = attempt(name, lambda: build(name))
-        if timer is not None:
-            timers[name] = timer
-    samples: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name in list(samples):
-            sample = attempt(name, timers[name])
+        mine: list[float] = []
+        theirs: list[float] = []
+        attempts = 0
+        while timer is not None and attempts < rounds:
+            attempts += 1
+            sample = attempt(name, timer)
             if sample is None:
-                del samples[name]
-            else:
-                samples[name].append(sample)
+                break
+            mine.append(sample)
+            theirs.append(reference())
+        bar.update(rounds - attempts)
+        if len(mine) == rounds:
+            windows[name] = (mine, theirs)
+        everything += theirs
+        timer = None                       # drop this candidate's plan before building the next
+    if not others:
+        everything = [reference() for _ in range(rounds)]
+        bar.update(rounds)
     bar.close()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    overall = statistics.median(everything)
+    return {reference_name: overall, **{name: statistics.median(mine) * overall / statistics.median(theirs)
+                                        for name, (mine, theirs) in windows.items()}}
 
 
 def agree(choice: str) -> str:

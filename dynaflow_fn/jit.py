@@ -287,11 +287,13 @@ class Jitted:
         if choice in options:
             self.choices[signature] = (choice, {})
             return _Entry(self, *self._plan(options[choice], args, kwargs))
-        built: dict[str, _Entry] = {}
+        kept: dict[str, _Entry] = {}
 
         def build(name: str) -> Callable[[], float]:
-            built[name] = _Entry(self, *self._plan(options[name], args, kwargs))
-            call = built[name].benchmark(leaves)
+            entry = _Entry(self, *self._plan(options[name], args, kwargs))
+            if name == autotune.NO_OVERLAP:          # the reference stays built; the others are dropped
+                kept[name] = entry
+            call = entry.benchmark(leaves)
             return lambda: autotune.median_ms(call, device)
 
         timings = autotune.measure(list(options), build, self.progress)
@@ -299,7 +301,7 @@ class Jitted:
         if world == 1 or dist.get_rank() == 0:
             autotune.store_decision(decision, choice, timings)
         self.choices[signature] = (choice, timings)
-        return built.get(choice) or _Entry(self, *self._plan(options[choice], args, kwargs))
+        return kept.get(choice) or _Entry(self, *self._plan(options[choice], args, kwargs))
 
     def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict) -> None:
         warnings.warn(
