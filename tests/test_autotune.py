@@ -47,6 +47,28 @@ def test_auto_never_picks_a_strategy_that_does_not_beat_no_overlap(monkeypatch, 
     assert choice == expected
 
 
+@pytest.mark.parametrize("rematch, expected", [(10.5, "none"), (8.0, "microbatch2-tbo")])
+def test_the_winner_is_kept_only_if_it_wins_a_rematch_with_no_overlap(monkeypatch, rematch, expected):
+    rounds = iter([{"none": 10.0, "branches": 12.0, "microbatch2-roundrobin": 11.0, "microbatch2-tbo": 5.0,
+                    "microbatch4-roundrobin": 13.0, "microbatch4-tbo": 14.0},
+                   {"none": 10.0, "microbatch2-tbo": rematch}])
+    measured = []
+
+    def measure(names, build, progress=True):
+        measured.append(list(names))
+        for name in names:
+            build(name)()
+        return next(rounds)
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    fn, params = df.pure(MLP())
+    fast = df.jit(fn, strategy="auto", in_axes=(None, 0), progress=False)
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(fast(params, x), fn(params, x))
+    (choice, _), = fast.choices.values()
+    assert choice == expected and measured[1] == ["none", "microbatch2-tbo"]
+
+
 def test_decisions_are_stored_and_reused_without_measuring(monkeypatch):
     fn, params = df.pure(MLP())
     x = torch.randn(8, 32)
