@@ -19,6 +19,7 @@ not square, or whose values cannot be read (a program on the meta device) is lef
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -92,16 +93,19 @@ def _evaluate(node: fx.Node, graph_module: fx.GraphModule, values: dict[fx.Node,
 
 def _is_causal(mask: Any) -> bool:
     """Whether a [..., L, L] mask allows exactly the positions on and below the diagonal, and blocks
-    the others completely, in every batch and head."""
+    the others, in every batch and head (checked one [L, L] slice at a time, to keep temporaries small)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.device.type == "meta":
         return False
     rows, columns = mask.shape[-2:]
-    if rows != columns:
+    if rows != columns or not (mask.dtype == torch.bool or mask.is_floating_point()):
         return False
     below = torch.ones(rows, columns, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == below).all())
-    if not mask.is_floating_point():
-        return False
-    blocked = mask <= BLOCKED
-    return bool(((mask == 0) == below).all() and (blocked == ~below).all())
+    leading = [range(size if stride else 1) for size, stride in zip(mask.shape[:-2], mask.stride()[:-2])]
+    for index in itertools.product(*leading):                  # a broadcast dimension is checked once
+        square = mask[index]
+        if mask.dtype == torch.bool:
+            if not torch.equal(square, below):
+                return False
+        elif not (torch.equal(square == 0, below) and torch.equal(square <= BLOCKED, ~below)):
+            return False
+    return True
