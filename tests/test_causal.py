@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from dynaflow_fn import ops
+from dynaflow_fn import transforms as T
 from models import llama_logits, tiny_llama
 
 
@@ -82,3 +83,13 @@ def test_only_a_mask_that_is_exactly_causal_is_replaced(name):
     (mask, causal), = _masks_of(fast.trace(q, k, v))
     assert (mask is None and causal) == (name in CAUSAL)
     torch.testing.assert_close(fast(q, k, v), attend(q, k, v))
+
+
+def test_each_micro_batch_of_a_scheduled_program_gets_the_causal_kernel():
+    model = tiny_llama()
+    fn, params = llama_logits(model)
+    ids = torch.randint(0, 128, (4, 12))
+    step = df.jit(T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), strategy="roundrobin"))
+    assert _masks_of(step.trace(params, ids)) == [(None, True)] * 4         # 2 layers x 2 micro-batches
+    df.verify(step.lower(params, ids))
+    torch.testing.assert_close(step(params, ids), model(ids, use_cache=False).logits)
