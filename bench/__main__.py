@@ -1,6 +1,6 @@
 """Run every benchmark this machine can run, then write the report.
 
-    python -m bench              # 1 GPU: overhead, single_gpu, inductor, train;
+    python -m bench              # 1 GPU: overhead, single_gpu, inductor, train, streams;
                                  # N >= 2 GPUs: also tp and dp under torchrun
     python -m bench --report     # only rebuild bench/results/README.md and the plots from the JSON files
 """
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-SINGLE_GPU = ("bench.overhead", "bench.single_gpu", "bench.inductor", "bench.train")
+SINGLE_GPU = ("bench.overhead", "bench.single_gpu", "bench.inductor", "bench.train", "bench.streams")
 
 
 def main() -> None:
