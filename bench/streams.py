@@ -8,7 +8,8 @@ issue order   A chain of eleven 8192x8192 bf16 GEMMs on the main stream; a small
               probe_wait_us: from the end of the GEMM it needs to its own start (median), and
               probe_waited: in how many runs it waited more than 100 us, i.e. for the next GEMM to end.
 carveout      The same chain under cuBLAS's SM carveout (torch._C._set_sm_carveout_experimental(N),
-              what `comm_ctas=N` applies beside collectives), the side kernel issued early.
+              what `comm_ctas=N` applies beside collectives), the side kernel issued early, with
+              PyTorch's default cuBLAS backend and with cuBLASLt (preferred_blas_library).
 median_ms is per GEMM; gemm_slowdown compares it with the early-issued chain without a carveout in
 the same mode.
 
@@ -32,12 +33,14 @@ WAITED_US = 100.0            # a side kernel that started this late waited for a
 
 
 def chain(a: torch.Tensor, w: torch.Tensor, probe: torch.Tensor, side: torch.cuda.Stream, late: bool,
-          carveout: int | None) -> torch.Tensor:
-    """GEMMs on the current stream; `probe` scaled on `side` once the first GEMM is done."""
+          carveout: int | None, blas: str) -> torch.Tensor:
+    """GEMMs on the current stream (through `blas`); `probe` scaled on `side` once the first GEMM is done."""
     main = torch.cuda.current_stream()
     side.wait_stream(main)
     previous = torch._C._get_sm_carveout_experimental()
+    previous_blas = torch.backends.cuda.preferred_blas_library()
     torch._C._set_sm_carveout_experimental(carveout)
+    torch.backends.cuda.preferred_blas_library(blas)
     try:
         x = a @ w
         ready = torch.cuda.Event()
@@ -56,6 +59,7 @@ def chain(a: torch.Tensor, w: torch.Tensor, probe: torch.Tensor, side: torch.cud
             side_kernel()
     finally:
         torch._C._set_sm_carveout_experimental(previous)
+        torch.backends.cuda.preferred_blas_library(previous_blas)
     main.wait_stream(side)
     return x
 
@@ -87,13 +91,15 @@ def main() -> None:
     w = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16) / SIZE ** 0.5
     probe = torch.randn(1 << 22, device="cuda")
     side = torch.cuda.Stream(priority=-1)
-    settings = [("issue order", late, None) for late in (False, True)]
-    settings += [("carveout", False, sms) for sms in (8, 16)]
+    settings = [("issue order", late, None, "cublas") for late in (False, True)]
+    settings += [("carveout", False, sms, blas) for blas in ("cublas", "cublaslt") for sms in (None, 8, 16)
+                 if (sms, blas) != (None, "cublas")]
     runs = {}
-    for case, late, sms in settings:
+    for case, late, sms, blas in settings:
         for mode in ("eager", "graph"):
-            body = functools.partial(chain, a, w, probe, side, late, sms)
-            variant = f"{mode}, {'late' if late else 'early'}" if case == "issue order" else f"{mode}, carveout={sms}"
+            body = functools.partial(chain, a, w, probe, side, late, sms, blas)
+            variant = (f"{mode}, {'late' if late else 'early'}" if case == "issue order"
+                       else f"{mode}, {blas}, carveout={sms}")
             runs[(case, variant, mode, sms)] = as_graph(body) if mode == "graph" else body
     samples: dict[tuple, list[tuple[float, float]]] = {key: [] for key in runs}
     for _ in range(ROUNDS):                     # interleaved, so that clocks and heat drift hit all alike

@@ -198,18 +198,22 @@ def test_a_step_marked_to_leave_sms_runs_under_the_carveout_and_restores_it(monk
     from dynaflow_fn.runtime.interpreter import compile_step
 
     carveout = {"value": None}
+    blas = {"value": "cublas"}
     monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: carveout["value"], raising=False)
     monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda v: carveout.update(value=v), raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library",
+                        lambda backend=None: blas["value"] if backend is None else blas.update(value=backend))
     seen = []
 
     def kernel(x, out):
-        seen.append(carveout["value"])
+        seen.append((carveout["value"], blas["value"]))
         if carveout["value"] is not None:
             raise RuntimeError("failed kernel")
 
     step = Step(0, StepKind.KERNEL, 1, kernel, (None,), {}, (0,), ("out",), sm_carveout=8)
     env = [torch.zeros(1)]
-    compile_step(step, carveout=False)(env)                       # CPU: the setting is not touched
+    compile_step(step, carveout=False)(env)                       # CPU: the settings are not touched
     with pytest.raises(RuntimeError, match="failed kernel"):
         compile_step(step, carveout=True)(env)
-    assert seen == [None, 8] and carveout["value"] is None        # restored even when the kernel fails
+    assert seen == [(None, "cublas"), (8, "cublaslt")]            # only cuBLASLt honours the carveout
+    assert carveout["value"] is None and blas["value"] == "cublas"  # restored even when the kernel fails

@@ -39,7 +39,9 @@ _RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: distributed.all_reduc
 
 def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
     """A closure that runs one step against an environment (a list indexed by slot); with `carveout`
-    (CUDA), a step marked to leave SMs to a collective runs under cuBLAS's SM carveout."""
+    (CUDA), a step marked to leave SMs to a collective runs under cuBLAS's SM carveout. Only cuBLASLt
+    honours the carveout (bench/streams.py: through PyTorch's default cuBLAS path a GEMM still took
+    every SM), so such a step also prefers cuBLASLt for its GEMMs."""
     runner = _compile_step(step)
     if not (carveout and step.sm_carveout and hasattr(torch._C, "_set_sm_carveout_experimental")):
         return runner
@@ -47,11 +49,14 @@ def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
 
     def run_leaving_sms(env: Env) -> None:
         previous = torch._C._get_sm_carveout_experimental()
+        previous_blas = torch.backends.cuda.preferred_blas_library()
         torch._C._set_sm_carveout_experimental(sms)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
         try:
             runner(env)
         finally:
             torch._C._set_sm_carveout_experimental(previous)
+            torch.backends.cuda.preferred_blas_library(previous_blas)
     return run_leaving_sms
 
 
