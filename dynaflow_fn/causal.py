@@ -39,7 +39,7 @@ def use_causal_kernels(program: Program) -> Program:
     constant = setup_nodes(program)
     readers = [n for n in program.ops() if _mask_argument(n.target) and not _bound(n).get("is_causal")]
     masks = {_bound(n)[_mask_argument(n.target)] for n in readers} & constant
-    causal = {mask for mask in masks if _is_causal(_evaluate(mask, program.graph_module, {}))}
+    causal = {mask for mask in masks if _is_causal(_value_or_none(mask, program.graph_module))}
     if not causal:
         return program
     graph_module, node_map = copy_graph_module(program.graph_module)
@@ -78,6 +78,15 @@ def _set_arguments(node: fx.Node, values: dict[str, Any]) -> None:
         else:
             kwargs[name] = value
     node.args, node.kwargs = tuple(args), kwargs
+
+
+def _value_or_none(node: fx.Node, graph_module: fx.GraphModule) -> Any:
+    """The mask's value, or None where computing it ahead of time fails: the pass only ever speeds a
+    program up, so a mask it cannot compute stays as traced and is computed at setup as before."""
+    try:
+        return _evaluate(node, graph_module, {})
+    except Exception:                      # any failure means: not provably causal
+        return None
 
 
 def _evaluate(node: fx.Node, graph_module: fx.GraphModule, values: dict[fx.Node, Any]) -> Any:

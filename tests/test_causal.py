@@ -93,3 +93,18 @@ def test_each_micro_batch_of_a_scheduled_program_gets_the_causal_kernel():
     assert _masks_of(step.trace(params, ids)) == [(None, True)] * 4         # 2 layers x 2 micro-batches
     df.verify(step.lower(params, ids))
     torch.testing.assert_close(step(params, ids), model(ids, use_cache=False).logits)
+
+
+def test_a_mask_that_cannot_be_computed_ahead_is_kept(monkeypatch):
+    from dynaflow_fn import causal
+
+    def fails(*args):
+        raise RuntimeError("cannot run ahead of time")
+
+    monkeypatch.setattr(causal, "_evaluate", fails)
+    attend = _attend(CAUSAL["bool"])
+    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
+    fast = df.jit(attend)
+    (mask, causal_flag), = _masks_of(fast.trace(q, k, v))
+    assert mask is not None and not causal_flag
+    torch.testing.assert_close(fast(q, k, v), attend(q, k, v))
