@@ -29,9 +29,11 @@ def test_auto_picks_a_candidate_and_matches_eager():
     x = torch.randn(8, 32)
     torch.testing.assert_close(fast(params, x), fn(params, x))
     (choice, timings), = fast.choices.values()
-    assert set(timings) == {"none", "branches", "microbatch2-roundrobin", "microbatch2-tbo",
-                            "microbatch4-roundrobin", "microbatch4-tbo"}
-    assert choice == autotune.choose(timings)
+    first = {name: ms for name, ms in timings.items() if not name.endswith(" (rematch)")}
+    rematch = {name.removesuffix(" (rematch)"): ms for name, ms in timings.items() if name.endswith(" (rematch)")}
+    assert set(first) == {"none", "branches", "microbatch2-roundrobin", "microbatch2-tbo",
+                          "microbatch4-roundrobin", "microbatch4-tbo"}
+    assert choice == autotune.choose(rematch or first)     # a first-round winner other than none is rematched
 
 
 @pytest.mark.parametrize("best, expected", [(9.9, "none"), (5.0, "microbatch2-tbo")])
