@@ -13,8 +13,9 @@ backward alike, drop it and pass `is_causal=True`. Boolean masks block with Fals
 with -inf or any bias at or below -65504, the lowest float16, which is what transformers writes
 (in bfloat16 too). Such a bias adds exactly nothing to a softmax in float32 (exp underflows to 0)
 unless a blocked score exceeds its row's largest allowed score by more than 65000, so the causal
-kernel computes what the masked one meant, and what eager transformers runs without a trace. A mask that depends on an input (padding), that is
-not square, or whose values cannot be read (a program on the meta device) is left as it is.
+kernel computes what the masked one meant, and what eager transformers runs without a trace. A mask
+that depends on an input (padding), that is not square, or whose values cannot be read (a program on
+the meta device, or one that fails to compute ahead of time) is left as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from . import ops
 from .lower import setup_nodes
 from .program import Program, copy_graph_module
 from .trace import eliminate_dead_code
@@ -37,15 +39,17 @@ BLOCKED = torch.finfo(torch.float16).min       # an additive bias this low block
 def use_causal_kernels(program: Program) -> Program:
     """The program with every attention whose mask is provably causal running as `is_causal=True`."""
     constant = setup_nodes(program)
-    readers = [n for n in program.ops() if _mask_argument(n.target) and not _bound(n).get("is_causal")]
-    masks = {_bound(n)[_mask_argument(n.target)] for n in readers} & constant
+    readers = [n for n in program.ops() if _mask_argument(n.target) and not _arguments(n).get("is_causal")]
+    masks = {_arguments(n).get(_mask_argument(n.target)) for n in readers} & constant
     causal = {mask for mask in masks if _is_causal(_value_or_none(mask, program.graph_module))}
     if not causal:
         return program
     graph_module, node_map = copy_graph_module(program.graph_module)
     for node in readers:
-        if _bound(node)[_mask_argument(node.target)] in causal:
-            _set_arguments(node_map[node], {_mask_argument(node.target): None, "is_causal": True})
+        if _arguments(node).get(_mask_argument(node.target)) in causal:
+            new = node_map[node]
+            new.args, new.kwargs = ops.replace_arguments(new.target, new.args, new.kwargs,
+                                                         {_mask_argument(node.target): None, "is_causal": True})
     eliminate_dead_code(graph_module.graph)
     graph_module.recompile()
     return program.with_graph(graph_module, provenance=program.provenance + ("causal masks",))
@@ -59,25 +63,9 @@ def _mask_argument(op: Any) -> str | None:
     return next((name for name in MASK_ARGUMENTS if name in names), None) if "is_causal" in names else None
 
 
-def _bound(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name, defaults included."""
-    schema = node.target._schema
-    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    bound.update(zip((a.name for a in schema.arguments), node.args))
-    bound.update(node.kwargs)
-    return bound
-
-
-def _set_arguments(node: fx.Node, values: dict[str, Any]) -> None:
-    names = [argument.name for argument in node.target._schema.arguments]
-    args, kwargs = list(node.args), dict(node.kwargs)
-    for name, value in values.items():
-        position = names.index(name)
-        if position < len(args):
-            args[position] = value
-        else:
-            kwargs[name] = value
-    node.args, node.kwargs = tuple(args), kwargs
+def _arguments(node: fx.Node) -> dict[str, Any]:
+    """The arguments the node passes, by schema name (one left to its default is absent)."""
+    return ops.bind_arguments(node.target, node.args, node.kwargs)
 
 
 def _value_or_none(node: fx.Node, graph_module: fx.GraphModule) -> Any:

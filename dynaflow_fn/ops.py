@@ -103,6 +103,21 @@ def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[
     return bound
 
 
+def replace_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any],
+                      values: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A call's (args, kwargs) with the named arguments set to `values`, each where the call passes it:
+    positionally if its position is among `args`, else by keyword."""
+    names = [argument.name for argument in op._schema.arguments]
+    args, kwargs = list(args), dict(kwargs)
+    for name, value in values.items():
+        position = names.index(name)
+        if position < len(args):
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
 def is_view(op: Any) -> bool:
     """Whether every result aliases an input without writing it (view, t, expand, ...): from the schema,
     plus `wait_tensor`, which returns its input once the collective that produces it has finished."""

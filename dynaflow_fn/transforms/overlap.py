@@ -66,16 +66,11 @@ def _on_comm_group(program: Program, max_ctas: int) -> Program:
     for node in graph_module.graph.nodes:
         if node.op != "call_function" or not ops.launches_collective(node.target):
             continue
-        names = [argument.name for argument in node.target._schema.arguments]
-        if "group_name" not in names:
+        group = ops.bind_arguments(node.target, node.args, node.kwargs).get("group_name")
+        if group is None:
             continue
-        position = names.index("group_name")
-        if position < len(node.args):
-            args = list(node.args)
-            args[position] = distributed.comm_group_name(args[position], max_ctas)
-            node.args = tuple(args)
-        else:
-            node.kwargs = {**node.kwargs, "group_name": distributed.comm_group_name(node.kwargs["group_name"], max_ctas)}
+        node.args, node.kwargs = ops.replace_arguments(
+            node.target, node.args, node.kwargs, {"group_name": distributed.comm_group_name(group, max_ctas)})
     return program.with_graph(graph_module)
 
 
