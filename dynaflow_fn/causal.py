@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from . import ops
+from .compat import OpOverload
 from .lower import setup_nodes
 from .program import Program, copy_graph_module
 from .trace import eliminate_dead_code
@@ -57,7 +58,7 @@ def use_causal_kernels(program: Program) -> Program:
 
 def _mask_argument(op: Any) -> str | None:
     """The name of an attention op's mask argument, if it also takes `is_causal`."""
-    if not isinstance(op, torch._ops.OpOverload) or "scaled_dot_product" not in op._schema.name:
+    if not isinstance(op, OpOverload) or "scaled_dot_product" not in op._schema.name:
         return None
     names = {argument.name for argument in op._schema.arguments}
     return next((name for name in MASK_ARGUMENTS if name in names), None) if "is_causal" in names else None

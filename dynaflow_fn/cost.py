@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import ops
+from .compat import StorageWeakRef
 
 
 @dataclass(frozen=True)

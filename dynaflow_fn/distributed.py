@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .compat import default_store, functional_collectives, resolve_process_group
 from .errors import DynaflowError
 from .plan import Plan
 
@@ -42,9 +43,7 @@ def _group(group: Any) -> Any:
 
 def all_reduce(tensor: torch.Tensor, group: Any = None, op: str = "sum") -> torch.Tensor:
     """Functional all-reduce (a new tensor; the input is unchanged) that traces into a Program."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_reduce(tensor, op, _group(group))
+    return functional_collectives().all_reduce(tensor, op, _group(group))
 
 
 def comm_group(max_ctas: int, group: Any = None) -> Any:
@@ -78,9 +77,7 @@ _comm_groups: dict[tuple, Any] = {}
 def comm_group_name(group_name: str, max_ctas: int) -> str:
     """The name of `comm_group(max_ctas)` over the ranks of the group named `group_name`, as functional
     collectives refer to groups."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return comm_group(max_ctas, _resolve_process_group(group_name)).group_name
+    return comm_group(max_ctas, resolve_process_group(group_name)).group_name
 
 
 def all_reduce_on_current_stream(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
@@ -88,9 +85,7 @@ def all_reduce_on_current_stream(tensor: torch.Tensor, reduce_op: str, group_nam
     call, which launches NCCL on the current stream, i.e. the plan's comm stream with its priority.
     The functional op would launch on the process group's internal stream and join back through two
     events, which a CUDA graph keeps as cross-stream edges on every collective."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, reduce_op.upper()), group=_resolve_process_group(group_name))
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, reduce_op.upper()), group=resolve_process_group(group_name))
     return tensor
 
 
@@ -177,7 +172,7 @@ def check_consistent(plan: Plan, group: Any = None, timeout: float = 60.0) -> No
     world = dist.get_world_size(group)
     if world == 1:
         return
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     rank = dist.get_rank(group)
     key = f"dynaflow/collectives/{plan.name}/{_counter(plan.name)}"
     store.set(f"{key}/{rank}", repr(mine))

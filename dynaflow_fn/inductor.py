@@ -32,6 +32,7 @@ import torch
 from torch import fx
 
 from . import ops
+from .compat import OpOverload, compile_with_inductor
 from .lower import setup_nodes
 from .program import NodeInfo, Program, info, op_name
 from .transforms.base import Pass, record
@@ -87,7 +88,7 @@ class InductorPass(Pass):
                  ) -> Callable | None:
         try:
             with torch.no_grad():
-                return _compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
+                return compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
         except Exception as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warnings.warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
@@ -98,12 +99,6 @@ class InductorPass(Pass):
 def compile_stages(program: Program, progress: bool = True) -> Program:
     """Compile each run of each stage of `program` with Inductor (see the module docstring)."""
     return InductorPass(progress).apply(program)
-
-
-def _compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list) -> Callable:
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(graph_module, example_inputs)
 
 
 # --- finding runs --------------------------------------------------------------------------------
@@ -146,11 +141,11 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
 
 def _compilable(node: fx.Node, precomputed: set[fx.Node]) -> bool:
     op = node.target
-    return (isinstance(op, torch._ops.OpOverload) and ops.can_precompute(op) and not _returns_tensor_lists(op)
+    return (isinstance(op, OpOverload) and ops.can_precompute(op) and not _returns_tensor_lists(op)
             and node not in precomputed and NO_INDUCTOR not in info(node).tags)
 
 
-def _returns_tensor_lists(op: torch._ops.OpOverload) -> bool:
+def _returns_tensor_lists(op: OpOverload) -> bool:
     """Multi-tensor ops (`_foreach_*`, `_fused_adamw`): optimizer updates, which lowering runs in place
     on donated parameters and state. Inside a compiled run they would write new tensors, copied back."""
     return any(str(r.type) == "List[Tensor]" and r.alias_info is None for r in op._schema.returns)

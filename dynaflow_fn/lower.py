@@ -29,9 +29,9 @@ import numpy as np
 import optree
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import memory, ops
+from .compat import OpOverload, StorageWeakRef
 from .errors import ScheduleError
 from .ordering import Clocks
 from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind, step_reads, step_writes
@@ -263,7 +263,7 @@ class _Lowering:
             destination.append(_StepDraft(StepKind.VIEW, stream, op, args, kwargs, outputs, node=node.name,
                                           result_indices=result_indices))
             return
-        variant = None if hoist else ops.out_variant(op) if isinstance(op, torch._ops.OpOverload) else None
+        variant = None if hoist else ops.out_variant(op) if isinstance(op, OpOverload) else None
         if (variant is not None and variant.direct and len(fresh) == len(values)
                 and all(_is_whole_storage(v) for _, v in fresh) and _out_call_is_faithful(node, variant)):
             outputs = tuple(self._slot_for_value(node, i, v, True, StorageKind.ARENA) for i, v in tensors)
@@ -528,7 +528,7 @@ def _leave_sms_to_collectives(steps: tuple[Step, ...], clocks: Clocks, sms: int 
 
 def _allocates(node: fx.Node) -> bool:
     """Whether lowering would allocate the node's result (no direct out= kernel)."""
-    variant = ops.out_variant(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
+    variant = ops.out_variant(node.target) if isinstance(node.target, OpOverload) else None
     return variant is None or not variant.direct
 
 

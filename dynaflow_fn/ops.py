@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .compat import OpOverload, has_kernel_for
+
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 
 
@@ -23,7 +25,7 @@ _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 class OutVariant:
     """How to call the `out=` overload of a functional op with the functional call's arguments."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     positional: tuple[str, ...]
     keyword: tuple[str, ...]
     out_names: tuple[str, ...]
@@ -45,7 +47,7 @@ def _signature(arguments: Sequence[Any]) -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=None)
-def out_variant(op: torch._ops.OpOverload) -> OutVariant | None:
+def out_variant(op: OpOverload) -> OutVariant | None:
     """The `out=` overload of a functional aten op, or None when it has none."""
     schema = op._schema
     if schema.is_mutable or any(r.alias_info is not None for r in schema.returns) or not schema.returns:
@@ -80,7 +82,7 @@ _VETTED_OUT_KERNELS = frozenset({
 })
 
 
-def _writes_out_directly(op: torch._ops.OpOverload, out: torch._ops.OpOverload) -> bool:
+def _writes_out_directly(op: OpOverload, out: OpOverload) -> bool:
     """Whether `out`'s kernel writes the final result into `out` and nothing else.
 
     Generated overloads (a CompositeExplicitAutograd kernel: run the functional op, copy into out) would
@@ -88,14 +90,14 @@ def _writes_out_directly(op: torch._ops.OpOverload, out: torch._ops.OpOverload) 
     the unreduced shape, which inside an arena writes past the buffer). Structured pointwise and
     reduction kernels, GEMMs, softmax and cat set the output shape once and write it: only those are used.
     """
-    if torch._C._dispatch_has_kernel_for_dispatch_key(out.name(), "CompositeExplicitAutograd"):
+    if has_kernel_for(out, "CompositeExplicitAutograd"):
         return False
     tags = set(op.tags)
     return (torch.Tag.pointwise in tags or getattr(torch.Tag, "reduction", None) in tags
             or op._schema.name.split("::")[-1] in _VETTED_OUT_KERNELS)
 
 
-def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def bind_arguments(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Map a call's positional and keyword arguments to the schema's argument names."""
     bound = dict(kwargs)
     for argument, value in zip(op._schema.arguments, args):
@@ -103,7 +105,7 @@ def bind_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[
     return bound
 
 
-def replace_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any],
+def replace_arguments(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any],
                       values: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """A call's (args, kwargs) with the named arguments set to `values`, each where the call passes it:
     positionally if its position is among `args`, else by keyword."""
@@ -121,7 +123,7 @@ def replace_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: di
 def is_view(op: Any) -> bool:
     """Whether every result aliases an input without writing it (view, t, expand, ...): from the schema,
     plus `wait_tensor`, which returns its input once the collective that produces it has finished."""
-    if not isinstance(op, torch._ops.OpOverload) or not op._schema.returns:
+    if not isinstance(op, OpOverload) or not op._schema.returns:
         return False
     if is_collective_wait(op):
         return True
@@ -130,11 +132,11 @@ def is_view(op: Any) -> bool:
 
 def is_random(op: Any) -> bool:
     """Whether an op draws random numbers (its result must not be computed once and reused)."""
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+    return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 def is_mutating(op: Any) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
+    return isinstance(op, OpOverload) and op._schema.is_mutable
 
 
 def can_precompute(op: Any) -> bool:
@@ -148,13 +150,13 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dten
 
 def is_collective_wait(op: Any) -> bool:
     """`wait_tensor`: returns its input once the collective producing it has finished on the device."""
-    return (isinstance(op, torch._ops.OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
+    return (isinstance(op, OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
             and op._schema.name.endswith("wait_tensor"))
 
 
 def is_collective(op: Any) -> bool:
     """Whether an op communicates with other ranks (a functional collective or its wait)."""
-    return isinstance(op, torch._ops.OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
+    return isinstance(op, OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
 
 
 def launches_collective(op: Any) -> bool:

@@ -16,6 +16,7 @@ import optree
 import torch
 from torch import fx
 
+from .compat import OpOverload
 from .regions import Scope
 
 _DTYPE_NAMES = {
@@ -209,7 +210,7 @@ def copy_graph_module(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, dic
 
 def op_name(target: Any) -> str:
     """`aten.mm` for default overloads, `aten.add.Tensor` otherwise; Python callables by name."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         namespace = target.namespace
         packet = target._schema.name.split("::")[-1]
         overload = target._overloadname

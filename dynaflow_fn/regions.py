@@ -47,6 +47,23 @@ class Scope:
         return f"region({self.name})"
 
 
+def last_node(graph: fx.Graph) -> fx.Node | None:
+    """The node appended last, or None for an empty graph."""
+    return next(iter(reversed(graph.nodes)), None)
+
+
+def nodes_after(graph: fx.Graph, start: fx.Node | None) -> list[fx.Node]:
+    """The nodes appended after `start` (after nothing: all of them), in order. A graph's node list
+    is circular through a sentinel node of op "root"."""
+    if start is None:
+        return list(graph.nodes)
+    found, node = [], start.next
+    while node.op != "root":
+        found.append(node)
+        node = node.next
+    return found
+
+
 class ScopeRecorder:
     """Tags the nodes of a graph under construction with the scopes that were open when they appeared."""
 
@@ -57,22 +74,18 @@ class ScopeRecorder:
         self._open: list[tuple[Scope, fx.Node]] = []
         self._instances = itertools.count()
 
-    def _last_node(self) -> fx.Node:
-        return next(iter(reversed(self.graph.nodes)), self.graph._root)
 
     def open(self, kind: ScopeKind, name: str, module_type: type | None = None, index: int | None = None) -> Scope:
         scope = Scope(kind, name, next(self._instances), module_type, index)
-        self._open.append((scope, self._last_node()))
+        self._open.append((scope, last_node(self.graph)))
         return scope
 
     def close(self, scope: Scope) -> None:
         opened, start = self._open.pop()
         if opened is not scope:
             raise RuntimeError(f"scope {scope} closed while {opened} is still open")
-        node = start.next
-        while node is not self.graph._root:
+        for node in nodes_after(self.graph, start):
             self.scopes_of.setdefault(node, []).append(scope)
-            node = node.next
 
     @contextlib.contextmanager
     def scope(self, kind: ScopeKind, name: str, module_type: type | None = None,

@@ -22,17 +22,17 @@ from typing import Callable, Sequence
 import optree
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import ops
+from .compat import OpOverload, StorageWeakRef, has_internal_overlap
 from .plan import Layout
 
 
-def inplace_variant(op: object) -> torch._ops.OpOverload | None:
+def inplace_variant(op: object) -> OpOverload | None:
     """`aten.add_.Tensor` for `aten.add.Tensor`, `aten._fused_adamw_` for `aten._fused_adamw`: the overload
     that writes its results into the arguments it mutates, which must lead its argument list and
     correspond one to one, in order, to the functional op's results."""
-    if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
+    if not isinstance(op, OpOverload) or op._schema.is_mutable:
         return None
     name = op._schema.name.split("::")[-1]
     packet = getattr(getattr(torch.ops, op.namespace), name + "_", None)
@@ -146,7 +146,7 @@ def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object
         return False
     if (old.shape, old.stride(), old.dtype) != (result.shape, result.stride(), result.dtype):
         return False
-    if torch._debug_has_internal_overlap(old) == 1:
+    if has_internal_overlap(old):
         return False
     if root.op == "get_attr" or (root.op == "placeholder" and root not in donated):
         return False

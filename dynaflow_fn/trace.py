@@ -20,19 +20,20 @@ from typing import Any, Callable, Iterator, Sequence
 import optree
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import (
+from . import ops, tree
+from .compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedOperatorException,
+    fx_tracing_flag_cleared,
+    get_proxy_mode,
+    make_fx,
 )
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-
-from . import ops, tree
 from .errors import InputError, TraceError
 from .program import InputSpec, NodeInfo, OutputSpec, Program
 from .tree import TensorSpec
-from .regions import ScopeRecorder, recording
+from .regions import ScopeRecorder, last_node, nodes_after, recording
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
         captured["recorder"] = recorder
-        with recording(recorder), _as_in_eager():
+        with recording(recorder), fx_tracing_flag_cleared():
             result = body(*call_args, **call_kwargs)
         out_paths, out_leaves, out_tree = tree.flatten(result)
         captured["out"] = (out_paths, out_leaves, out_tree)
@@ -186,24 +187,6 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-@contextlib.contextmanager
-def _as_in_eager() -> Iterator[None]:
-    """Let model code see what it sees in eager PyTorch.
-
-    make_fx flags itself as FX symbolic tracing, and libraries read that flag to switch to paths that
-    work on Proxies (no shape-dependent Python). A Program is specialized to its input shapes, so
-    the eager path is the right one. (torch's own higher-order ops clear the flag the same way.)
-    """
-    import torch.fx._symbolic_trace as symbolic_trace
-
-    previous = symbolic_trace._is_fx_tracing_flag
-    symbolic_trace._is_fx_tracing_flag = False
-    try:
-        yield
-    finally:
-        symbolic_trace._is_fx_tracing_flag = previous
-
-
 class _ScopeCarrier(fx.Interpreter):
     """Replays a traced graph under a new trace, giving each new node the scopes of the node it came from."""
 
@@ -214,12 +197,10 @@ class _ScopeCarrier(fx.Interpreter):
 
     def run_node(self, node: fx.Node) -> Any:
         graph = get_proxy_mode().tracer.graph
-        start = next(iter(reversed(graph.nodes)), graph._root)
+        start = last_node(graph)
         result = super().run_node(node)
-        new = start.next
-        while new is not graph._root:
+        for new in nodes_after(graph, start):
             self.carried[new] = self.scopes.get(node, ())
-            new = new.next
         return result
 
 

@@ -48,8 +48,8 @@ def test_inductor_matches_eager_for_a_tiny_hf_llama(overlap):
 
 def test_identical_runs_compile_once(monkeypatch):
     compiled_graphs = []
-    real = inductor._compile_with_inductor
-    monkeypatch.setattr(inductor, "_compile_with_inductor",
+    real = inductor.compile_with_inductor
+    monkeypatch.setattr(inductor, "compile_with_inductor",
                         lambda gm, inputs: compiled_graphs.append(gm.code) or real(gm, inputs))
     fn, params = df.pure(MLP())
     step = T.overlap(T.microbatch(fn, num=4, in_axes=(None, 0)), "roundrobin")
@@ -72,14 +72,14 @@ def test_stages_tagged_no_inductor_stay_aten():
 
 
 def test_a_run_inductor_rejects_falls_back_to_aten_with_a_warning(monkeypatch):
-    real = inductor._compile_with_inductor
+    real = inductor.compile_with_inductor
 
     def reject_tanh(gm, inputs):
         if any(node.target is torch.ops.aten.tanh.default for node in gm.graph.nodes):
             raise RuntimeError("no lowering for tanh")
         return real(gm, inputs)
 
-    monkeypatch.setattr(inductor, "_compile_with_inductor", reject_tanh)
+    monkeypatch.setattr(inductor, "compile_with_inductor", reject_tanh)
 
     def fn(x, y):
         with df.region("left"):

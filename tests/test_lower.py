@@ -199,6 +199,7 @@ def test_a_step_marked_to_leave_sms_runs_under_the_carveout_and_restores_it(monk
 
     carveout = {"value": None}
     blas = {"value": "cublas"}
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")    # a CUDA build's carveout
     monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: carveout["value"], raising=False)
     monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda v: carveout.update(value=v), raising=False)
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library",

@@ -14,6 +14,7 @@ import optree
 import torch
 
 from .. import distributed
+from ..compat import sm_carveout, sm_carveout_supported
 from ..plan import Plan, Ref, Slot, Step, StepKind, StorageKind
 
 Env = list
@@ -43,20 +44,13 @@ def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
     honours the carveout (bench/streams.py: through PyTorch's default cuBLAS path a GEMM still took
     every SM), so such a step also prefers cuBLASLt for its GEMMs."""
     runner = _compile_step(step)
-    if not (carveout and step.sm_carveout and hasattr(torch._C, "_set_sm_carveout_experimental")):
+    if not (carveout and step.sm_carveout and sm_carveout_supported()):
         return runner
     sms = step.sm_carveout
 
     def run_leaving_sms(env: Env) -> None:
-        previous = torch._C._get_sm_carveout_experimental()
-        previous_blas = torch.backends.cuda.preferred_blas_library()
-        torch._C._set_sm_carveout_experimental(sms)
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        try:
+        with sm_carveout(sms):
             runner(env)
-        finally:
-            torch._C._set_sm_carveout_experimental(previous)
-            torch.backends.cuda.preferred_blas_library(previous_blas)
     return run_leaving_sms
 
 
