@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from . import transforms as T
+from .trace import trace
 
 NO_OVERLAP = "none"
 MARGIN = 0.02
@@ -57,8 +58,19 @@ def cache_path() -> str:
     return os.path.join(root, "autotune.json")
 
 
-def decision_key(fn: Callable[..., Any], signature: str, device: torch.device, world: int) -> str:
-    """A digest of what the measurement depends on: device, versions, the function's code, shapes, ranks."""
+def check_in_axes(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict) -> None:
+    """Raise the micro-batching error now if `in_axes` cannot split these arguments at all.
+
+    A candidate that fails to build is skipped, which is right for 4 micro-batches of a batch of 3,
+    but an `in_axes` that does not fit the arguments is a mistake the caller must hear about, not a
+    silent "no overlap". One micro-batch checks everything but the batch size."""
+    trace(T.microbatch(fn, num=1, in_axes=in_axes), *args, **kwargs)
+
+
+def decision_key(fn: Callable[..., Any], signature: str, device: torch.device, world: int,
+                 options: Sequence[str] = ()) -> str:
+    """A digest of what the measurement depends on: device, versions, the function's code, shapes, ranks,
+    and the candidates it chose among (a decision made without micro-batching says nothing about it)."""
     try:
         code = inspect.getsource(fn)
     except (OSError, TypeError):
@@ -67,7 +79,7 @@ def decision_key(fn: Callable[..., Any], signature: str, device: torch.device, w
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__, "cuda": torch.version.cuda, "world": world,
         "function": f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}",
-        "code": hashlib.sha256(code.encode()).hexdigest(), "signature": signature,
+        "code": hashlib.sha256(code.encode()).hexdigest(), "signature": signature, "candidates": sorted(options),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

@@ -10,7 +10,7 @@ runs every entry, and every fallback.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -20,6 +20,9 @@ __all__ = [
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
     "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "make_fx",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
+    "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
+    "data_ptrs_equal", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback", "MetaKernelRejection",
+    "quiet_meta_failures",
 ]
 
 # --- fake tensors and make_fx ---------------------------------------------------------------------
@@ -33,6 +36,73 @@ from torch._subclasses.fake_tensor import (  # noqa: E402
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: E402
+
+
+class MetaKernelRejection(RuntimeError):
+    """An op's fake (meta) kernel rejected its inputs, and so did the real kernel (`confirmed`), or no
+    real kernel could be asked (the meta device, an op outside aten)."""
+
+    def __init__(self, op: Any, message: str, confirmed: bool):
+        super().__init__(message)
+        self.op = op
+        self.confirmed = confirmed
+
+
+class FakeTensorModeWithFallback(FakeTensorMode):
+    """A FakeTensorMode in which the real kernel has the last word when a meta kernel rejects its inputs.
+
+    Meta kernels are sometimes stricter than the real ones (in torch 2.13 the meta kernel of
+    `_grouped_mm` rejects float32, which the CPU kernel computes, so transformers' MoE experts did
+    not trace). When a meta kernel raises, the op runs for real on zero-filled tensors of the fake
+    inputs' shapes on their device (FakeTensorMode's own fallback for ops with no meta kernel), and
+    its results' shapes and strides become the fake results. If the real kernel rejects the inputs
+    too (a genuine error, such as mismatched shapes) or cannot run (the meta device), the error is a
+    `MetaKernelRejection` naming the op. Where this torch's FakeTensorMode lacks the hooks, the
+    meta kernel's error stands, as a MetaKernelRejection too.
+    """
+
+    def _dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super()._dispatch_impl(func, types, args, kwargs)
+        except (MetaKernelRejection, DataDependentOutputException, DynamicOutputShapeException,
+                UnsupportedOperatorException):
+            raise
+        except RuntimeError as rejected:
+            return self._ask_the_real_kernel(func, args, kwargs, rejected)
+
+    def _ask_the_real_kernel(self, func: Any, args: Any, kwargs: Any, rejected: RuntimeError) -> Any:
+        from torch._subclasses import fake_tensor
+        from torch.utils import _pytree
+
+        run_real = getattr(fake_tensor, "run_fallback_kernel", None)
+        can_run = getattr(self, "can_run_unsafe_fallback", None)
+        if run_real is None or can_run is None or not can_run(func) or torch.Tag.inplace_view in func.tags:
+            raise MetaKernelRejection(func, str(rejected), confirmed=False) from rejected
+        flat_args, args_spec = _pytree.tree_flatten((args, kwargs))
+        real_device = all(getattr(a, "fake_device", torch.device("cpu")).type != "meta" for a in flat_args
+                          if isinstance(a, torch.Tensor))
+        try:
+            return run_real(self, func, flat_args, args_spec, rejected)
+        except Exception as real_error:
+            raise MetaKernelRejection(func, str(real_error), confirmed=real_device) from rejected
+
+
+@contextlib.contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """Keep FakeTensorMode from logging a full traceback with tensor dumps for every meta kernel that
+    raises (it logs, then re-raises); the error itself still reaches the caller."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 """A hashable, weak handle on a tensor's storage (fake storages included): which tensors alias."""
@@ -68,6 +138,124 @@ def fx_tracing_flag_cleared() -> Iterator[None]:
             symbolic_trace._is_fx_tracing_flag = previous
     else:
         yield
+
+
+# --- process-wide state a plan depends on -----------------------------------------------------------
+# Read on every jitted call, so each has a fast private reader and a public (slower) fallback.
+
+
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device type."""
+    query = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if query is not None:
+        return query()
+    return any(torch.is_autocast_enabled(device) for device in ("cuda", "cpu", "xpu", "mps", "hpu"))
+
+
+def torch_function_mode_active() -> bool:
+    """Whether a torch-function mode is active (`torch.set_default_device` installs one)."""
+    query = getattr(torch._C, "_len_torch_function_stack", None)
+    if query is not None:
+        return query() > 0
+    from torch.overrides import _get_current_function_mode_stack
+
+    return bool(_get_current_function_mode_stack())
+
+
+def _public_matmul_settings() -> tuple:
+    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    return (cuda.allow_tf32, cudnn.allow_tf32, cuda.allow_fp16_reduced_precision_reduction,
+            cuda.allow_bf16_reduced_precision_reduction, cudnn.deterministic, cudnn.benchmark,
+            torch.get_float32_matmul_precision(), str(torch.backends.cuda.preferred_blas_library()))
+
+
+_MATMUL_GETTERS = ("_get_cublas_allow_tf32", "_get_cudnn_allow_tf32", "_get_cublas_allow_fp16_reduced_precision_reduction",
+                   "_get_cublas_allow_bf16_reduced_precision_reduction", "_get_cudnn_deterministic",
+                   "_get_cudnn_benchmark", "_get_blas_preferred_backend")
+
+
+def matmul_settings() -> tuple:
+    """The settings that choose matmul and convolution kernels (TF32, reduced-precision reductions,
+    cuDNN determinism and autotuning, the preferred BLAS library, float32 matmul precision). A CUDA
+    graph keeps the kernels chosen when it was captured, so a change must capture again. The
+    public torch.backends properties cost about 2 us together; torch._C's getters a tenth of that."""
+    getters = [getattr(torch._C, name, None) for name in _MATMUL_GETTERS]
+    if None in getters:
+        return _public_matmul_settings()
+    return tuple(getter() for getter in getters) + (torch.get_float32_matmul_precision(),)
+
+
+# --- autograd -----------------------------------------------------------------------------------------
+
+
+class _NoBackward(torch.autograd.Function):
+    """Fallback of `without_backward`: outputs whose backward raises `message`."""
+
+    @staticmethod
+    def forward(ctx: Any, message: str, *tensors: torch.Tensor) -> Any:
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise RuntimeError(ctx.message)
+
+
+def without_backward(tensors: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    """The same tensors (same memory), now requiring grad, whose backward raises `message`.
+
+    What eager PyTorch would hand back from inputs that require grad is a tensor in the autograd
+    graph; a compiled plan has none, so its outputs say so when backward reaches them instead of
+    failing far away with "does not require grad". torch's DelayedError node does this in one C++
+    call; the fallback is an autograd.Function."""
+    delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+    if delayed is None:
+        return list(_NoBackward.apply(message, *(_requiring_grad(t) for t in tensors)))
+    node = delayed(message.encode(), len(tensors))
+    results = node(*(_requiring_grad(t) for t in tensors))
+    return list(results) if isinstance(results, tuple) else [results]
+
+
+def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
+    alias = tensor.detach()
+    alias.requires_grad_(True)
+    return alias
+
+
+# --- CUDA graphs -----------------------------------------------------------------------------------------
+
+
+def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int], indices: Sequence[int]) -> bool:
+    """Whether `tensors[i].data_ptr() == data_ptrs[k]` for each k, i = indices[k]: in C++ on CUDA
+    builds (what torch.compile's CUDA graphs check their static inputs with), else in Python."""
+    query = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if query is not None:
+        return query(tensors, data_ptrs, indices)
+    return all(tensors[i].data_ptr() == ptr for i, ptr in zip(indices, data_ptrs))
+
+
+def current_stream_id(device_index: int) -> Any:
+    """A cheap, comparable identity of the current CUDA stream (torch.cuda.current_stream builds a
+    Stream object per call, which costs a few microseconds)."""
+    query = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if query is not None:
+        return query(device_index)
+    stream = torch.cuda.current_stream(device_index)
+    return stream.stream_id, stream.device_index, stream.device_type
+
+
+def stream_from_id(stream_id: Any) -> "torch.cuda.Stream":
+    """The stream that `current_stream_id` identified."""
+    return torch.cuda.Stream(stream_id=stream_id[0], device_index=stream_id[1], device_type=stream_id[2])
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-(handle, stream) workspaces; the next GEMM on a stream allocates a new
+    one from the caching allocator (inside a capture: from the graph's private pool). See
+    runtime/cudagraph.py for why a capture must do this. No-op where torch lacks it or has no CUDA."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()
 
 
 # --- operator facts -------------------------------------------------------------------------------

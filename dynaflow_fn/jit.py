@@ -1,19 +1,20 @@
 """`df.jit`: trace, transform and lower on the first call for each input signature; replay after.
 
-The cache key is the pytree structure of (args, kwargs) plus, per leaf, the shape, strides, dtype and
-device of a tensor or the type and value of a static leaf, as in `jax.jit`. A call whose key is cached
-runs its executable straight away: on CUDA that is input copies, one graph replay and output clones.
+A plan is built for one input signature and one state of the caller's program (see `guard`): a call
+whose signature and state match an entry runs its executable straight away, which on CUDA is input
+copies, one graph replay and output clones. Every call is checked, never assumed: the arguments'
+structure and layouts, the process-wide settings tracing reads, the train/eval mode of the modules
+the trace called, and the tensors the function closes over (read in place, like parameters).
 
-Hashing that key costs about half a microsecond per leaf, which for a decode step with hundreds of
-weight tensors is as long as the replay itself. So a call first asks the entry used last whether it
-admits the arguments (`_Guard`): the tensors a CUDA graph reads in place are recognized by identity
-and version counter, and only the others are compared in full.
+A call that would compute something other than `fn` is refused with a named error instead: arguments
+that share memory with one the plan writes, or backward through a plan's outputs.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -21,9 +22,10 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from . import autotune, distributed, tree
+from . import autotune, compat, distributed, tree
 from .causal import use_causal_kernels
 from .errors import InputError
+from .guard import Guard, call_state, check_no_aliasing, modes_unchanged, signature
 from .inductor import compile_stages
 from .lower import lower
 from .plan import Plan
@@ -31,10 +33,12 @@ from .program import Program, dtype_name
 from .runtime.cudagraph import AdoptedInputMoved, CudaGraphExecutable
 from .runtime.eager import EagerExecutable
 from .trace import trace
+from .tree import TensorSpec
 from .verify import verify
 
 BACKENDS = ("auto", "eager", "cudagraph", "inductor")
 RETRACE_WARNING_ENTRIES = 8
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass(frozen=True)
@@ -47,84 +51,60 @@ class CacheInfo:
     entries: int
 
 
-def _signature(leaves: Sequence[Any]) -> tuple:
-    """Per leaf: a tensor's shape, strides, dtype and device, or a static leaf's type and value."""
-    return tuple([(leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
-                  else (type(leaf), leaf) for leaf in leaves])
-
-
-def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
-    """A fast `lambda leaves: tuple(leaves[i] for i in positions)`."""
-    if len(positions) > 1:
-        return operator.itemgetter(*positions)
-    return lambda leaves: tuple(leaves[i] for i in positions)
-
-
-_VERSION = operator.attrgetter("_version")
-
-
-class _Guard:
-    """Whether a call's leaves fit the signature of the call that made this guard, cheaply.
-
-    Pinned leaves are tensors a CUDA graph reads in place (parameters, donated and persistent
-    arguments). Such a tensor is recognized by identity and version counter: every in-place change
-    of its layout (resize_, set_, t_, unsqueeze_, ...) bumps the counter, and its address is checked
-    by the executable on every call. What this cannot see is `t.data = v` with `v` at t's own address
-    in another layout. Every other leaf is compared in full, as in the cache key.
-    """
-
-    def __init__(self, treedef: Any, leaves: Sequence[Any], pinned: Sequence[int]):
-        self.treedef = treedef
-        self.pick_pinned = _picker(pinned)
-        chosen = set(pinned)
-        self.pick_rest = _picker([i for i in range(len(leaves)) if i not in chosen])
-        self.pinned = self.pick_pinned(leaves)
-        self.versions = list(map(_VERSION, self.pinned))
-        self.rest = _signature(self.pick_rest(leaves))
-
-    def admits(self, treedef: Any, leaves: Sequence[Any]) -> bool:
-        if treedef != self.treedef:
-            return False
-        pinned = self.pick_pinned(leaves)
-        return (all(map(operator.is_, pinned, self.pinned)) and list(map(_VERSION, pinned)) == self.versions
-                and _signature(self.pick_rest(leaves)) == self.rest)
-
-
 class _Entry:
-    """One cache entry: the plan for a signature and the executable that runs it."""
+    """One cache entry: the plan for a signature, the state it was traced in, and its executable.
 
-    def __init__(self, jitted: "Jitted", plan: Plan, tensor_positions: tuple[int, ...], donated: frozenset[int],
-                 persistent: frozenset[int]):
+    The executable's tensor inputs are the argument tensors (flat, in order) and then the tensors
+    the function closes over."""
+
+    def __init__(self, jitted: "Jitted", plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]],
+                 tensor_positions: tuple[int, ...], in_place: frozenset[int], names: Sequence[str]):
         self.jitted = jitted
         self.plan = plan
+        self.module_modes = tuple(module_modes)
         self.tensor_positions = tensor_positions
-        self.pick_tensors = _picker(tensor_positions)
-        self.in_place = donated | persistent
+        self.pick_tensors = operator.itemgetter(*tensor_positions) if len(tensor_positions) > 1 else (
+            lambda leaves: tuple(leaves[i] for i in tensor_positions))
+        self.captured = [c.tensor for c in plan.captured]
+        self.captured_specs = [TensorSpec.of(t) for t in self.captured]
+        self.in_place = in_place | set(range(len(tensor_positions), len(tensor_positions) + len(self.captured)))
+        self.names = list(names) + [c.name for c in plan.captured]
+        self.written = plan.written_inputs()
+        returned_inputs = set(plan.input_slots)
+        self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
         self.backend = jitted.resolve_backend(plan.device)
         self.executable: Any = None
-        self.guard: _Guard | None = None
+        self.guard: Guard | None = None
 
-    def _build(self, tensors: Sequence[torch.Tensor]) -> None:
-        if self.executable is None and distributed.collective_signature(self.plan):
-            distributed.check_consistent(self.plan)
-        if self.backend == "cudagraph":
-            adopt = [isinstance(t, torch.nn.Parameter) or i in self.in_place for i, t in enumerate(tensors)]
-            self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
-                                                  self.jitted.static_outputs)
-            self.jitted.captures += 1
-        else:
-            self.executable = EagerExecutable(self.plan, self.plan.device)
+    def fits(self) -> bool:
+        """Whether the state outside the arguments is still the one this entry was traced in: the
+        modules' train/eval modes and the layouts of the tensors the function closes over."""
+        return modes_unchanged(self.module_modes) and all(
+            TensorSpec.of(t) == spec for t, spec in zip(self.captured, self.captured_specs))
 
-    def __call__(self, treedef: Any, leaves: Sequence[Any]) -> Any:
-        """Run on leaves whose full signature is this entry's; remember them for `replay`."""
-        outputs = self.plan.unflatten_outputs(self.run(list(self.pick_tensors(leaves))))
-        self.guard = _Guard(treedef, leaves, [self.tensor_positions[i] for i in self._pinned()])
+    def stale(self) -> bool:
+        """Whether a closed-over tensor has changed layout: this entry can never run again."""
+        return any(TensorSpec.of(t) != spec for t, spec in zip(self.captured, self.captured_specs))
+
+    def __call__(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
+        """Run on leaves whose full signature, state and modes are this entry's; remember them for `replay`."""
+        tensors = [*self.pick_tensors(leaves), *self.captured]
+        outputs = self.run(tensors, rebuild_if_moved=True)
+        self.guard = self._guard(treedef, leaves, state)
         return outputs
 
     def replay(self, leaves: Sequence[Any]) -> Any:
         """Run on leaves that `guard` admitted. Raises AdoptedInputMoved if a tensor read in place has
         new memory, which may also mean a new layout (`t.data = ...`): the caller checks in full."""
-        return self.plan.unflatten_outputs(self.executable(self.pick_tensors(leaves)))
+        return self.run([*self.pick_tensors(leaves), *self.captured], rebuild_if_moved=False)
+
+    def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
+        adopted = [i for i in self._pinned()]
+        arguments = len(self.tensor_positions)
+        return Guard(treedef, leaves, [self.tensor_positions[i] for i in adopted if i < arguments], state,
+                     [m for m, _ in self.module_modes],
+                     captured_pinned=[self.captured[i - arguments] for i in adopted if i >= arguments],
+                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in adopted])
 
     def _pinned(self) -> list[int]:
         """Tensor positions the executable reads in place and whose version counter can be read."""
@@ -133,22 +113,56 @@ class _Entry:
         return [i for i, adopted in enumerate(self.executable.adopt)
                 if adopted and not self.executable.static_inputs[i].is_inference()]
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    def _build(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self.executable is None and distributed.collective_signature(self.plan):
+            distributed.check_consistent(self.plan)
+        if self.backend == "cudagraph":
+            adopt = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
+                     for i, t in enumerate(tensors)]
+            self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
+                                                  self.jitted.static_outputs)
+            self.jitted.captures += 1
+        else:
+            self.executable = EagerExecutable(self.plan, self.plan.device)
+
+    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool) -> Any:
+        if self.written:
+            check_no_aliasing(tensors, self.written, self.names)
         if self.executable is None:
             self._build(tensors)
         try:
-            return self.executable(tensors)
+            outputs = self.executable(tensors)
         except AdoptedInputMoved:
+            if not rebuild_if_moved:
+                raise
             self._build(tensors)
-            return self.executable(tensors)
+            outputs = self.executable(tensors)
+        if torch.is_grad_enabled() and self.differentiable and any(map(_REQUIRES_GRAD, tensors)):
+            outputs = self._without_backward(outputs)
+        return self.plan.unflatten_outputs(outputs)
+
+    def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
+        backward raises an error that says why df.jit has none and what to do instead."""
+        chosen = [i for i in self.differentiable if outputs[i].is_floating_point() or outputs[i].is_complex()]
+        if not chosen:
+            return outputs
+        name = getattr(self.jitted.fn, "__name__", "fn")
+        message = (f"backward through the outputs of df.jit({name}): a compiled plan records no autograd graph. "
+                   f"Differentiate inside the jitted function (df.value_and_grad / df.grad return the gradients), "
+                   f"or call it under torch.no_grad() when no gradient is needed.")
+        outputs = list(outputs)
+        for i, tensor in zip(chosen, compat.without_backward([outputs[i] for i in chosen], message)):
+            outputs[i] = tensor
+        return outputs
 
     def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
         """A call of this entry on the given arguments that leaves them unchanged: inputs the plan writes
         (donated, mutated) are replaced by copies, so timing it many times has no effect outside."""
-        tensors = [leaves[i] for i in self.tensor_positions]
-        for i in self.plan.written_inputs():
+        tensors = [*self.pick_tensors(leaves), *self.captured]
+        for i in self.written:
             tensors[i] = tensors[i].clone()
-        return lambda: self.run(tensors)
+        return lambda: self.run(tensors, rebuild_if_moved=True)
 
 
 class Jitted:
@@ -168,10 +182,11 @@ class Jitted:
         self.strategy, self.in_axes, self.progress = strategy, in_axes, progress
         self.choices: dict[str, tuple[str, dict[str, float]]] = {}
         self.backend = backend
-        self.donate_argnums = tuple(donate_argnums)
-        self.persistent_argnums = tuple(persistent_argnums)
+        self.donate_argnums = _argnums(donate_argnums, "donate_argnums")
+        self.persistent_argnums = _argnums(persistent_argnums, "persistent_argnums")
         self.static_outputs = static_outputs
-        self._cache: dict[Any, _Entry] = {}
+        self._cache: dict[Any, list[_Entry]] = {}
+        self._compiling = threading.RLock()
         self._last: _Entry | None = None
         self.hits = self.misses = self.captures = 0
         functools.update_wrapper(self, fn, updated=())
@@ -180,8 +195,9 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef = optree.tree_flatten((args, kwargs))
+        state = call_state()
         last = self._last
-        if last is not None and last.guard is not None and last.guard.admits(treedef, leaves):
+        if last is not None and last.guard is not None and last.guard.admits(treedef, leaves, state):
             try:
                 outputs = last.replay(leaves)
                 self.hits += 1
@@ -189,16 +205,21 @@ class Jitted:
             except AdoptedInputMoved:
                 pass
         try:
-            key = (treedef, _signature(leaves))
-            entry = self._cache.get(key)
+            key = (treedef, signature(leaves), state)
+            entry = self._find(key)
         except TypeError:
             key, entry = None, None
         if entry is None:
-            entry = self._compile(args, kwargs, key)
+            with self._compiling:                      # threads missing at once build the entry once
+                entry = self._find(key) if key is not None else None
+                if entry is None:
+                    entry = self._compile(args, kwargs, key)
+                else:
+                    self.hits += 1
         else:
             self.hits += 1
         self._last = entry if key is not None else None
-        return entry(treedef, leaves)
+        return entry(treedef, leaves, state)
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms) that a call with these arguments runs."""
@@ -208,19 +229,24 @@ class Jitted:
         """The Plan that a call with these arguments runs (built, not run, if not cached yet; with
         strategy="auto" and no call yet, the plan without overlap, since choosing needs running)."""
         leaves, treedef = optree.tree_flatten((args, kwargs))
-        entry = self._cache.get((treedef, _signature(leaves)))
-        return entry.plan if entry is not None else self._plan(self.fn, args, kwargs)[0]
+        entry = self._find((treedef, signature(leaves), call_state()))
+        return entry.plan if entry is not None else self._entry(self.fn, args, kwargs).plan
 
     def plans(self) -> list[Plan]:
-        """The plans built so far, one per input signature, oldest first."""
-        return [entry.plan for entry in self._cache.values()]
+        """The plans built so far, one per input signature and program state, oldest first."""
+        return [entry.plan for entries in self._cache.values() for entry in entries]
 
     def cache_info(self) -> CacheInfo:
-        return CacheInfo(self.hits, self.misses, self.captures, len(self._cache))
+        return CacheInfo(self.hits, self.misses, self.captures, sum(map(len, self._cache.values())))
 
     def clear_cache(self) -> None:
-        self._cache.clear()
-        self._last = None
+        """Forget every plan (and free its CUDA graph and buffers once no output refers to them).
+
+        Needed only after changing Python state that tracing read and no check can see, such as a
+        module attribute other than `training` or a global the function branches on."""
+        with self._compiling:
+            self._cache.clear()
+            self._last = None
 
     def resolve_backend(self, device: torch.device) -> str:
         """The runtime of a plan: Inductor's stages run inside the same CUDA graph or interpreter."""
@@ -233,17 +259,33 @@ class Jitted:
 
     # --- compilation -----------------------------------------------------------------------------
 
-    def _plan(self, fn: Callable[..., Any], args: tuple, kwargs: dict
-              ) -> tuple[Plan, tuple[int, ...], frozenset[int], frozenset[int]]:
+    def _find(self, key: Any) -> _Entry | None:
+        """The entry for this key whose modules and closed-over tensors are as they were traced;
+        entries whose closed-over tensors changed layout are dropped."""
+        entries = self._cache.get(key)
+        if not entries:
+            return None
+        found = next((entry for entry in entries if entry.fits()), None)
+        if found is None and any(entry.stale() for entry in entries):
+            self._cache[key] = [entry for entry in entries if not entry.stale()]
+        return found
+
+    def _entry(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> _Entry:
+        """Trace, transform and lower `fn` for these arguments."""
         paths, leaves, _ = tree.flatten((args, kwargs))
         arg_names = tree.argument_names(self.fn, len(args))
         kinds = tree.classify_leaves(paths, leaves, arg_names)
+        names = [tree.path_to_str(paths[i], arg_names) for i in kinds.tensor_positions]
 
         def tensors_of(argnums: Sequence[int], option: str) -> frozenset[int]:
             for index in argnums:
                 if not 0 <= index < len(args):
                     raise InputError(f"{option} names argument {index}, but the call passes {len(args)} "
                                      f"positional arguments")
+                if not any(paths[i][:2] == (0, index) for i in kinds.tensor_positions):
+                    name = arg_names[index] if index < len(arg_names) else f"args[{index}]"
+                    raise InputError(f"{option} names argument {index} ({name}), which holds no tensor "
+                                     f"(it is a {type(args[index]).__name__}); {option} applies to tensors only")
             return frozenset(k for k, i in enumerate(kinds.tensor_positions)
                              if paths[i] and paths[i][0] == 0 and paths[i][1] in argnums)
 
@@ -252,24 +294,23 @@ class Jitted:
         program = use_causal_kernels(trace(fn, *args, **kwargs))
         if self.backend == "inductor":
             program = compile_stages(program, self.progress)
-        donation = _match_donations(program, donated,
-                                    [tree.path_to_str(paths[i], arg_names) for i in kinds.tensor_positions],
+        donation = _match_donations(program, donated, names,
                                     ["".join(f"[{key!r}]" for key in paths[i][1:]) for i in kinds.tensor_positions])
         plan = lower(program, donate=donation)
         if len(plan.streams) > 1:
             verify(plan)
-        return plan, kinds.tensor_positions, donated, persistent
+        return _Entry(self, plan, program.module_modes, kinds.tensor_positions, donated | persistent, names)
 
     def _compile(self, args: tuple, kwargs: dict, key: Any) -> _Entry:
         if self.strategy == "auto" and key is not None:
             entry = self._autotune(args, kwargs, key)
         else:
-            entry = _Entry(self, *self._plan(self.fn, args, kwargs))
+            entry = self._entry(self.fn, args, kwargs)
         self.misses += 1
         if key is not None:
-            if len(self._cache) >= RETRACE_WARNING_ENTRIES:
+            if sum(map(len, self._cache.values())) >= RETRACE_WARNING_ENTRIES:
                 self._warn_retracing(next(reversed(self._cache)), key, args, kwargs)
-            self._cache[key] = entry
+            self._cache.setdefault(key, []).append(entry)
         return entry
 
     def _autotune(self, args: tuple, kwargs: dict, key: Any) -> _Entry:
@@ -279,19 +320,21 @@ class Jitted:
         leaves = optree.tree_leaves((args, kwargs))
         device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        signature = repr(key)
-        decision = autotune.decision_key(self.fn, signature, device, world)
+        described = repr(key)
         nccl = world > 1 and dist.get_backend() == "nccl"
+        if self.in_axes is not None:
+            autotune.check_in_axes(self.fn, self.in_axes, args, kwargs)
         options = {c.name: c.fn for c in autotune.candidates(self.fn, self.in_axes, autotune.COMM_CTAS if nccl else ())}
+        decision = autotune.decision_key(self.fn, described, device, world, list(options))
         choice = autotune.load_decision(decision)
         if choice in options:
-            self.choices[signature] = (choice, {})
-            return _Entry(self, *self._plan(options[choice], args, kwargs))
+            self.choices[described] = (choice, {})
+            return self._entry(options[choice], args, kwargs)
         kept: dict[str, _Entry] = {}
         keep = {autotune.NO_OVERLAP}                 # the reference stays built; the others are dropped
 
         def build(name: str) -> Callable[[], float]:
-            entry = kept.get(name) or _Entry(self, *self._plan(options[name], args, kwargs))
+            entry = kept.get(name) or self._entry(options[name], args, kwargs)
             if name in keep:
                 kept[name] = entry
             call = entry.benchmark(leaves)
@@ -308,8 +351,8 @@ class Jitted:
             timings = {**timings, **{f"{name} (rematch)": ms for name, ms in rematch.items()}}
         if world == 1 or dist.get_rank() == 0:
             autotune.store_decision(decision, choice, timings)
-        self.choices[signature] = (choice, timings)
-        return kept.get(choice) or _Entry(self, *self._plan(options[choice], args, kwargs))
+        self.choices[described] = (choice, timings)
+        return kept.get(choice) or self._entry(options[choice], args, kwargs)
 
     def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict) -> None:
         warnings.warn(
@@ -317,6 +360,15 @@ class Jitted:
             f"signatures ({_describe_change(previous, key, args, kwargs, self.fn)}). Each new shape, dtype, device "
             f"or static value traces and captures again; pad inputs to a few fixed shapes, or pass changing "
             f"scalars as tensors.", stacklevel=3)
+
+
+def _argnums(argnums: Any, option: str) -> tuple[int, ...]:
+    """`donate_argnums` / `persistent_argnums` as a tuple of ints (one int is accepted, as in JAX)."""
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        return (argnums,)
+    if not isinstance(argnums, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in argnums):
+        raise InputError(f"{option} takes positions of positional arguments (an int or a tuple of ints), got {argnums!r}")
+    return tuple(argnums)
 
 
 def _match_donations(program: Program, donated: frozenset[int], input_paths: Sequence[str],
@@ -356,10 +408,13 @@ def _match_donations(program: Program, donated: frozenset[int], input_paths: Seq
 
 def _describe_change(old: Any, new: Any, args: tuple, kwargs: dict, fn: Callable[..., Any]) -> str:
     """Say which argument differs between two cache keys, by its path."""
-    old_tree, old_leaves = old
-    new_tree, new_leaves = new
+    old_tree, old_leaves, old_state = old
+    new_tree, new_leaves, new_state = new
     if old_tree != new_tree:
         return f"the argument structure changed from {old_tree} to {new_tree}"
+    if old_state != new_state:
+        return ("process-wide settings changed (autocast, the default dtype or device, deterministic algorithms "
+                "or matmul precision)")
     paths, _, _ = tree.flatten((args, kwargs))
     arg_names = tree.argument_names(fn, len(args))
     for path, a, b in zip(paths, old_leaves, new_leaves):
@@ -372,7 +427,10 @@ def _leaf_text(leaf_key: tuple) -> str:
     if len(leaf_key) == 4:
         shape, _, dtype, device = leaf_key
         return f"{dtype_name(dtype)}{list(shape)} on {device}"
-    return repr(leaf_key[1])
+    kind, value = leaf_key[0], leaf_key[1]
+    if kind is float:
+        return "nan" if value == "nan" else repr(float.fromhex(value))
+    return repr(value)
 
 
 def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_argnums: Sequence[int] = (),

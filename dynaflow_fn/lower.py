@@ -156,6 +156,7 @@ class _Lowering:
             constants={n.target: getattr(self.program.graph_module, n.target)
                        for n in self.program.graph.nodes if n.op == "get_attr"},
             provenance=self.program.provenance + ("lower",),
+            captured=self.program.captured,
         )
 
     def _issue_order(self) -> list[fx.Node]:

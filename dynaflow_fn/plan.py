@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import optree
 import torch
 
+from .closure import Captured
 from .program import InputSpec, OutputSpec, Stream, dtype_name, format_arg, op_name
 
 
@@ -159,6 +160,7 @@ class Plan:
     out_tree: optree.PyTreeSpec
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     provenance: tuple[str, ...] = ()
+    captured: tuple[Captured, ...] = field(default=(), compare=False)   # the last tensor inputs (closure.py)
 
     # --- summaries ------------------------------------------------------------------------------
 

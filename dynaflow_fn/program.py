@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from .compat import OpOverload
+from .closure import Captured
 from .regions import Scope
 
 _DTYPE_NAMES = {
@@ -126,7 +127,11 @@ class Stream:
 class Program:
     """A traced function: an aten-level functional FX graph with input/output pytree specs.
 
-    Calling a Program runs its graph eagerly, which is handy as a reference. Printing it shows code.
+    The graph's placeholders are the tensor leaves of the arguments, in flatten order, then the
+    `captured` tensors the function closes over (see `closure`). `module_modes` records the
+    `training` flag of every module the trace called, which the traced ops depend on (dropout,
+    batch norm). Calling a Program runs its graph eagerly, which is handy as a reference. Printing
+    it shows code.
     """
 
     graph_module: fx.GraphModule
@@ -140,6 +145,8 @@ class Program:
     collective_sms: int | None = None   # T.overlap(comm_ctas=N): kernels beside a collective leave it N SMs
     source: Any = field(default=None, compare=False)
     passes: tuple[Any, ...] = field(default=(), compare=False)
+    captured: tuple[Captured, ...] = field(default=(), compare=False)
+    module_modes: tuple[tuple[torch.nn.Module, bool], ...] = field(default=(), compare=False)
 
     @property
     def graph(self) -> fx.Graph:
@@ -169,7 +176,7 @@ class Program:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = optree.tree_leaves((args, kwargs))
         tensors = [leaf for leaf, spec in zip(leaves, self.inputs) if spec.is_tensor]
-        flat_out = self.graph_module(*tensors)
+        flat_out = self.graph_module(*tensors, *(c.tensor for c in self.captured))
         return self.unflatten_outputs(flat_out)
 
     def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
@@ -282,6 +289,10 @@ def format_program(program: Program) -> str:
     statics = [spec for spec in program.inputs if not spec.is_tensor]
     if statics:
         header.append("# static: " + ", ".join(f"{s.path}={s.static_value!r}" for s in statics))
+    if program.captured:
+        names = [p.name for p in placeholders[len(placeholders) - len(program.captured):]]
+        header.append("# closed over (read in place every call): " +
+                      ", ".join(f"{name}={c.name}" if name != c.name else name for name, c in zip(names, program.captured)))
     rows = []
     for node in program.graph.nodes:
         if node.op == "call_function":

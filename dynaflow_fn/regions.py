@@ -71,9 +71,9 @@ class ScopeRecorder:
         self.graph = graph
         self.module_names = module_names
         self.scopes_of: dict[fx.Node, list[Scope]] = {}
-        self._open: list[tuple[Scope, fx.Node]] = []
+        self._open: list[tuple[Scope, fx.Node | None]] = []
         self._instances = itertools.count()
-
+        self._modules: dict[int, torch.nn.Module] = {}
 
     def open(self, kind: ScopeKind, name: str, module_type: type | None = None, index: int | None = None) -> Scope:
         scope = Scope(kind, name, next(self._instances), module_type, index)
@@ -100,17 +100,27 @@ class ScopeRecorder:
         """Scopes per node, outermost first (scopes close inner to outer, so the lists are reversed)."""
         return {node: tuple(reversed(scopes)) for node, scopes in self.scopes_of.items()}
 
+    def module_modes(self) -> tuple[tuple[torch.nn.Module, bool], ...]:
+        """Every module called while tracing, with its `training` flag, in order of first call."""
+        return tuple((module, module.training) for module in self._modules.values())
+
     @contextlib.contextmanager
     def module_hooks(self) -> Iterator[None]:
-        """Open a module scope around every `nn.Module` call made while tracing."""
+        """Open a module scope around every `nn.Module` call made while tracing.
+
+        The hooks are global, so they also see module calls of other threads; those are not part
+        of this trace and are ignored."""
         stack: list[Scope] = []
 
         def pre_hook(module: torch.nn.Module, args: object) -> None:
+            if active_recorder() is not self:
+                return
+            self._modules.setdefault(id(module), module)
             name = self.module_names.get(id(module), "")
             stack.append(self.open("module", name, type(module)))
 
         def post_hook(module: torch.nn.Module, args: object, output: object) -> None:
-            if stack:
+            if stack and active_recorder() is self:
                 self.close(stack.pop())
 
         pre = nn_module.register_module_forward_pre_hook(pre_hook)

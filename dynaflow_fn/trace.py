@@ -17,23 +17,33 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import threading
+
 import optree
 import torch
 from torch import fx
+
 from . import ops, tree
+from .closure import lift_captured
 from .compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensorMode,
+    FakeTensorModeWithFallback,
+    MetaKernelRejection,
     UnsupportedOperatorException,
     fx_tracing_flag_cleared,
     get_proxy_mode,
     make_fx,
+    quiet_meta_failures,
 )
-from .errors import InputError, TraceError
-from .program import InputSpec, NodeInfo, OutputSpec, Program
-from .tree import TensorSpec
+from .errors import DynaflowError, InputError, TraceError
+from .program import InputSpec, NodeInfo, OutputSpec, Program, op_name
 from .regions import ScopeRecorder, last_node, nodes_after, recording
+from .tree import TensorSpec
+
+_TRACING = threading.RLock()
+"""make_fx and FX keep process-wide state while they trace (the patcher, the fx-tracing flag), so
+two threads tracing at once corrupt each other: traces take turns."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     specs = {i: TensorSpec.of(leaves[i]) for i in kinds.tensor_positions}
     _check_one_device(specs, path_strs)
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
     fakes = [specs[i].fake(fake_mode) for i in kinds.tensor_positions]
     static_leaves = {i: leaves[i] for i in kinds.static_positions}
     module = getattr(fn, "__dynaflow_module__", None)
@@ -104,16 +114,20 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         captured["out"] = (out_paths, out_leaves, out_tree)
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
-    with torch.no_grad(), _translate_errors(getattr(fn, "__name__", "fn")):
+    with _TRACING, torch.no_grad(), quiet_meta_failures(), _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-    scopes = captured["recorder"].finish()
-    if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
-        fresh = FakeTensorMode(allow_non_fake_inputs=True)
-        traced, scopes = _functionalize(traced, scopes, [specs[i].fake(fresh) for i in kinds.tensor_positions])
+        recorder = captured["recorder"]
+        scopes = recorder.finish()
+        closed_over = lift_captured(traced, fn)
+        if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
+            fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
+            traced, scopes = _functionalize(traced, scopes, [specs[i].fake(fresh) for i in kinds.tensor_positions] +
+                                            [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
 
     out_paths, out_leaves, out_tree = captured["out"]
     outputs = _output_specs(out_paths, out_leaves)
     input_names = [tree.identifier(path_strs[i]) for i in kinds.tensor_positions]
+    input_names += [n.name for n in traced.graph.nodes if n.op == "placeholder"][len(input_names):]
     graph_module = _rebuild(traced, input_names, scopes)
     placeholder_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
     tensor_names = dict(zip(kinds.tensor_positions, placeholder_names))
@@ -128,6 +142,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         out_tree=out_tree,
         provenance=("trace", *provenance),
         source=TraceSource(fn, body, abstract_args, abstract_kwargs),
+        captured=closed_over,
+        module_modes=recorder.module_modes(),
     )
 
 
@@ -218,7 +234,8 @@ def _functionalize(traced: fx.GraphModule, scopes: dict[fx.Node, tuple],
     return functional, carrier.carried
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, optree)) + (os.path.dirname(__file__) + os.sep,)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(optree.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
 def user_frame(tb: Any) -> traceback.FrameSummary | None:
@@ -235,27 +252,65 @@ def _where(error: BaseException) -> str:
     return f"at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
 
 
+def _raised_inside_torch(error: BaseException) -> bool:
+    """Whether the innermost frame of the error is torch's (a kernel or check), not the function's own
+    `raise` (which reaches the caller unchanged) nor dynaflow_fn's."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
+
+
+def _first_lines(error: BaseException, count: int = 3) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return " ".join(lines[:count]) + (" ..." if len(lines) > count else "")
+
+
+def _hint(error: BaseException) -> str:
+    text = str(error)
+    if "numpy" in text or "data pointer" in text or "data_ptr" in text:
+        return (" A traced function runs on fake tensors, which hold no data: keep the computation in torch "
+                "ops, or move the code that needs values (numpy, printing, I/O) out of the jitted function.")
+    return ""
+
+
+def _traced_error(message: str, original: BaseException) -> TraceError:
+    """A TraceError that replaces `original` in the traceback (its own is long and names torch's
+    internals); `original` stays reachable for debugging."""
+    error = TraceError(message)
+    error.original = original
+    return error
+
+
 @contextlib.contextmanager
 def _translate_errors(fn_name: str) -> Iterator[None]:
-    """Turn tracing failures into TraceErrors that point at the user's line and say what to do."""
+    """Turn failures inside torch while tracing into TraceErrors that point at the user's line and
+    say what to do. Exceptions the function raises itself, and dynaflow_fn's own errors, pass unchanged."""
     try:
         yield
+    except DynaflowError:
+        raise
     except DynamicOutputShapeException as error:
-        raise TraceError(
+        raise _traced_error(
             f"{fn_name} calls {error.func} {_where(error)}, whose output shape depends on tensor data (boolean-mask "
             f"indexing, nonzero, unique, ...). A Plan has fixed shapes: keep the shape static with torch.where, "
-            f"masked_fill or a fixed-size top-k instead.") from error
+            f"masked_fill or a fixed-size top-k instead.", error) from None
     except DataDependentOutputException as error:
-        raise TraceError(
+        raise _traced_error(
             f"{fn_name} reads the value of a tensor {_where(error)} ({error.func}). A traced program has one fixed "
             f"sequence of ops, so Python control flow cannot depend on tensor data. Compute both branches and "
             f"select with torch.where, or pass the deciding value as a Python scalar (a static argument: each "
-            f"distinct value is traced once).") from error
+            f"distinct value is traced once).", error) from None
     except UnsupportedOperatorException as error:
-        raise TraceError(
+        raise _traced_error(
             f"{fn_name} calls {error.func} {_where(error)}, which has no fake-tensor (meta) implementation. Register "
-            f"one with torch.library.register_fake, or keep that op outside the jitted function.") from error
-    except RuntimeError as error:
-        if "fake impl" in str(error) or "fake kernel" in str(error):
-            raise TraceError(f"{fn_name} calls an op {_where(error)} that cannot run on fake tensors: {error}") from error
-        raise
+            f"one with torch.library.register_fake, or keep that op outside the jitted function.", error) from None
+    except MetaKernelRejection as error:
+        verdict = ("eager PyTorch rejects the same call" if error.confirmed else
+                   "its fake-tensor kernel rejects the inputs and no real kernel could be asked (trace with tensors "
+                   "on a real device instead of meta)")
+        raise _traced_error(f"{fn_name} calls {op_name(error.op)} {_where(error)} on inputs it cannot take: "
+                            f"{_first_lines(error)} ({verdict}).", error) from None
+    except Exception as error:
+        if not _raised_inside_torch(error):
+            raise
+        raise _traced_error(f"{fn_name} failed {_where(error)} while being traced: {type(error).__name__}: "
+                            f"{_first_lines(error)}{_hint(error)}", error) from None

@@ -7,6 +7,7 @@ part of the jit cache key, like `static_argnums` in JAX. Anything else is an err
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
 import keyword
@@ -121,13 +122,38 @@ class LeafKinds:
     static_positions: tuple[int, ...]
 
 
+def _tensor_inside(value: Any) -> str | None:
+    """The field path of a tensor held by a dataclass static leaf (at any depth), if there is one."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return None
+    for field in dataclasses.fields(value):
+        inner = getattr(value, field.name)
+        if isinstance(inner, torch.Tensor):
+            return f".{field.name}"
+        deeper = _tensor_inside(inner)
+        if deeper is not None:
+            return f".{field.name}{deeper}"
+    return None
+
+
 def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Sequence[str]) -> LeafKinds:
     """Split leaves into tensors and static values; raise InputError naming any other leaf."""
     tensors, statics = [], []
     for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+            raise InputError(f"argument {path_to_str(paths[i], arg_names)} is a {str(leaf.layout).replace('torch.', '')} "
+                             f"tensor; plans work on dense (strided) tensors. Convert it with .to_dense(), or keep "
+                             f"the sparse work outside the jitted function.")
         if isinstance(leaf, (torch.Tensor, TensorSpec)):
             tensors.append(i)
         elif is_static_leaf(leaf):
+            inside = _tensor_inside(leaf)
+            if inside is not None:
+                where = path_to_str(paths[i], arg_names)
+                raise InputError(f"argument {where} is a {type(leaf).__name__} holding a tensor at {where}{inside}; "
+                                 f"a dataclass argument is a static value, baked into the trace and compared by "
+                                 f"value. Pass its tensors as arguments, or register the class with "
+                                 f"optree.register_pytree_node so its tensor fields become inputs.")
             statics.append(i)
         else:
             where = path_to_str(paths[i], arg_names)

@@ -68,18 +68,19 @@ def test_a_tensor_changed_in_place_in_layout_traces_again():
 
 
 def test_the_call_guard_knows_a_pinned_tensor_by_identity_and_version():
-    from dynaflow_fn.jit import _Guard
+    from dynaflow_fn.guard import Guard, call_state
 
     weight, x = torch.randn(3), torch.randn(3)
     leaves, treedef = optree.tree_flatten(((weight, x, 2), {}))
-    guard = _Guard(treedef, leaves, pinned=[0])
-    assert guard.admits(treedef, [weight, torch.randn(3), 2])
-    assert not guard.admits(treedef, [weight.clone(), x, 2])           # another tensor, same layout
-    assert not guard.admits(treedef, [weight, torch.randn(4), 2])      # the other leaves are compared in full
-    assert not guard.admits(treedef, [weight, x, 3])
-    assert not guard.admits(optree.tree_structure(((weight, x), {})), [weight, x])
-    weight.unsqueeze_(0)                                               # every in-place layout change counts
-    assert not guard.admits(treedef, [weight, x, 2])
+    state = call_state()
+    guard = Guard(treedef, leaves, pinned=[0], state=state)
+    assert guard.admits(treedef, [weight, torch.randn(3), 2], state)
+    assert not guard.admits(treedef, [weight.clone(), x, 2], state)           # another tensor, same layout
+    assert not guard.admits(treedef, [weight, torch.randn(4), 2], state)      # the other leaves are compared in full
+    assert not guard.admits(treedef, [weight, x, 3], state)
+    assert not guard.admits(optree.tree_structure(((weight, x), {})), [weight, x], state)
+    weight.unsqueeze_(0)                                                      # every in-place layout change counts
+    assert not guard.admits(treedef, [weight, x, 2], state)
 
 
 def test_static_leaf_value_is_part_of_the_key():

@@ -1,13 +1,27 @@
 """The cudagraph backend: capture the whole multi-stream Plan once into one CUDA graph; replay it.
 
 At bind time every tensor the plan touches gets a fixed address: the arena, the output buffers, and a
-static buffer per input. Inputs that are `nn.Parameter`s or donated are *adopted*: the graph reads
-(and, for donated ones, writes) the caller's own tensor, so parameters are never copied. Other inputs
-are copied into their static buffers before each replay. If an adopted tensor later arrives at a
-different address, the executable reports it and `jit` captures again.
+static buffer per input. Inputs read in place are *adopted*: `nn.Parameter`s, donated and persistent
+arguments and the tensors the function closes over; the graph reads (and, for donated ones, writes)
+the caller's own tensor, so they are never copied. Other inputs are copied into their static buffers
+before each replay. If an adopted tensor later arrives at a different address, the executable
+reports it and `jit` captures again.
 
 A call is: copy the non-adopted inputs, replay, then clone the outputs (or hand out the static
-outputs themselves when the caller asked for them; the next call overwrites those).
+outputs themselves when the caller asked for them; the next call overwrites those). Calls take turns
+(`Turns`): the static buffers are shared.
+
+Memory the graph replays into. Everything a captured kernel touches must stay allocated, and to
+this graph, for as long as the graph lives: the arena, outputs and static inputs are held by the
+executable, and allocations made during capture come from the graph's private pool. One thing
+escapes that: cuBLAS keeps a workspace per (handle, stream) that it allocates on first use and
+reuses, so a GEMM captured on a stream that already ran a GEMM (the warm-up does) bakes in a
+workspace from the general pool. Whoever clears cuBLAS's workspaces then (torch.compile's CUDA
+graphs do, around each of their captures) frees it while this graph still writes into it, and the
+next replay corrupts whatever took that memory ("unspecified launch failure"). So capture starts
+from cleared workspaces, making cuBLAS allocate fresh ones inside this graph's private pool, which
+only this graph uses and which lives as long as it does; and clears them again afterwards, so that
+eager work never reuses memory the graph writes into during its replays.
 """
 
 from __future__ import annotations
@@ -16,12 +30,14 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import compat
 from ..plan import Plan
 from .interpreter import BoundPlan
+from .turns import Turns
 
 
 class AdoptedInputMoved(Exception):
-    """An adopted input (a parameter or donated tensor) arrived at a new address: capture again."""
+    """An adopted input (a tensor read in place) arrived at a new address: capture again."""
 
 
 class CudaGraphExecutable:
@@ -35,18 +51,21 @@ class CudaGraphExecutable:
                                                                           dtype=tensor.dtype, device=device)
                               for tensor, adopted in zip(inputs, adopt)]
         self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
-        self.addresses = [(i, tensor.data_ptr()) for i, (tensor, adopted) in enumerate(zip(inputs, adopt)) if adopted]
+        self.adopted = [i for i, adopted in enumerate(adopt) if adopted]
+        self.addresses = [inputs[i].data_ptr() for i in self.adopted]
         self.written_inputs = plan.written_inputs()
         self.write_back = [i for i in self.written_inputs if not adopt[i]]
         self.env = self.bound.new_env(self.static_inputs)
         self.bound.allocate_outputs(self.env)
         input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
         self.output_input = [input_position.get(slot) for slot in plan.output_slots]
+        self.turns = Turns(device)
         self._capture(device, inputs)
 
     def _capture(self, device: torch.device, inputs: Sequence[torch.Tensor]) -> None:
         """Warm up once outside the graph (lazy library initialization must not be captured), on clones
-        of the inputs the plan writes, so the caller's tensors change only when the call really runs."""
+        of the inputs the plan writes, so the caller's tensors change only when the call really runs;
+        then capture, with cuBLAS workspaces allocated inside the graph (see the module docstring)."""
         capture_stream = torch.cuda.Stream(device)
         streams = [capture_stream] + [torch.cuda.Stream(device, priority=s.priority) for s in self.plan.streams[1:]]
         events = [torch.cuda.Event() for _ in range(self.plan.num_events)]
@@ -61,35 +80,40 @@ class CudaGraphExecutable:
         torch.cuda.synchronize(device)
         self._load_inputs(inputs)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=capture_stream), torch.no_grad():
-            self.bound.run(self.env, streams, events)
+        compat.clear_cublas_workspaces()
+        try:
+            with torch.cuda.graph(self.graph, stream=capture_stream), torch.no_grad():
+                self.bound.run(self.env, streams, events)
+        finally:
+            compat.clear_cublas_workspaces()
         self._keep_alive = (streams, events)
 
     def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         for i in self.copied:
-            if inputs[i] is not self.static_inputs[i]:
-                self.static_inputs[i].copy_(inputs[i].detach())
+            source = inputs[i]
+            if source is not self.static_inputs[i]:
+                self.static_inputs[i].copy_(source.detach() if source.requires_grad else source)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        for i, address in self.addresses:
-            if inputs[i].data_ptr() != address:
-                raise AdoptedInputMoved(i)
-        self._load_inputs(inputs)
-        self.graph.replay()
-        if self.write_back:
-            with torch.no_grad():
-                for i in self.write_back:
-                    inputs[i].copy_(self.static_inputs[i])
-        outputs = self.bound.outputs(self.env)
-        if self.static_outputs:
-            return outputs
-        cloned: dict[int, torch.Tensor] = {}
-        results = []
-        for tensor, input_index, slot in zip(outputs, self.output_input, self.plan.output_slots):
-            if input_index is not None:
-                results.append(inputs[input_index])
-            else:
-                if slot not in cloned:
-                    cloned[slot] = tensor.clone()
-                results.append(cloned[slot])
-        return results
+        if not compat.data_ptrs_equal(inputs, self.addresses, self.adopted):
+            raise AdoptedInputMoved()
+        with self.turns:
+            self._load_inputs(inputs)
+            self.graph.replay()
+            if self.write_back:
+                with torch.no_grad():
+                    for i in self.write_back:
+                        inputs[i].copy_(self.static_inputs[i])
+            outputs = self.bound.outputs(self.env)
+            if self.static_outputs:
+                return outputs
+            cloned: dict[int, torch.Tensor] = {}
+            results = []
+            for tensor, input_index, slot in zip(outputs, self.output_input, self.plan.output_slots):
+                if input_index is not None:
+                    results.append(inputs[input_index])
+                else:
+                    if slot not in cloned:
+                        cloned[slot] = tensor.clone()
+                    results.append(cloned[slot])
+            return results

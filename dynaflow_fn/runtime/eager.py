@@ -1,7 +1,8 @@
 """The eager backend: interpret the Plan on every call, on any device.
 
 On CUDA each plan stream is a real stream, so overlap happens; on the CPU steps run in issue order.
-Outputs are allocated fresh on every call, so they alias nothing.
+Outputs are allocated fresh on every call, so they alias nothing. Calls take turns (`Turns`): the
+arena is shared by every call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ..plan import Plan
 from .interpreter import BoundPlan
+from .turns import Turns
 
 
 class EagerExecutable:
@@ -21,15 +23,17 @@ class EagerExecutable:
         if device.type == "cuda" and len(plan.streams) > 1:
             self.streams = [None] + [torch.cuda.Stream(device, priority=s.priority) for s in plan.streams[1:]]
             self.events = [torch.cuda.Event() for _ in range(plan.num_events)]
+        self.turns = Turns(device)
 
     @torch.no_grad()
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        env = self.bound.new_env(inputs)
-        self.bound.allocate_outputs(env)
-        if self.streams is None:
-            self.bound.run(env)
-        else:
-            streams = list(self.streams)
-            streams[0] = torch.cuda.current_stream(self.bound.device)
-            self.bound.run(env, streams, self.events)
-        return self.bound.outputs(env)
+        with self.turns:
+            env = self.bound.new_env(inputs)
+            self.bound.allocate_outputs(env)
+            if self.streams is None:
+                self.bound.run(env)
+            else:
+                streams = list(self.streams)
+                streams[0] = torch.cuda.current_stream(self.bound.device)
+                self.bound.run(env, streams, self.events)
+            return self.bound.outputs(env)

@@ -1,0 +1,153 @@
+"""What a call must satisfy to run the plan of an earlier call, checked cheaply on every call.
+
+A plan is built from one call's arguments and from Python state that tracing and capture read:
+
+* the arguments' pytree structure, each tensor's shape, strides, dtype and device, and each static
+  leaf's value (`signature`; the cache key, as in `jax.jit`);
+* process-wide settings that change what is traced or which kernels a CUDA graph captures (autocast,
+  the default dtype and device, deterministic algorithms, TF32 and reduced-precision matmuls:
+  `call_state`);
+* the `training` flag of every module the trace called (dropout, batch norm);
+* the tensors the function closes over (their layout; they are read in place).
+
+Hashing the full key costs about half a microsecond per leaf, as long as a replay for a decode step
+with hundreds of weights, so a call first asks the `Guard` of the entry used last: tensors read in
+place (parameters, donated and persistent arguments, closed-over tensors) are recognized by identity
+and version counter, everything else is compared in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import compat
+from .errors import InputError
+
+_VERSION = operator.attrgetter("_version")
+_TRAINING = operator.attrgetter("training")
+
+
+def static_key(leaf: Any) -> Any:
+    """A static leaf's part of the cache key: equal exactly when tracing would bake in the same value.
+
+    `==` is not that: `0.0 == -0.0` (but 1 / -0.0 is -inf) and `nan != nan` (a NaN would never hit).
+    Floats are keyed by their bits, frozen dataclasses field by field (their `==` compares floats the
+    same lossy way), everything else by type and value (so True and 1 differ)."""
+    if isinstance(leaf, float):
+        return float, leaf.hex() if not math.isnan(leaf) else "nan"
+    if isinstance(leaf, complex):
+        return complex, static_key(leaf.real), static_key(leaf.imag)
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        return type(leaf), tuple(static_key(getattr(leaf, f.name)) for f in dataclasses.fields(leaf))
+    return type(leaf), leaf
+
+
+def signature(leaves: Sequence[Any]) -> tuple:
+    """Per leaf: a tensor's shape, strides, dtype and device, or a static leaf's key."""
+    return tuple([(leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
+                  else static_key(leaf) for leaf in leaves])
+
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def call_state() -> tuple:
+    """The process-wide settings a plan depends on besides its arguments, as one comparable tuple.
+
+    Tracing reads autocast (it inserts casts), the default dtype and device (factory calls in the
+    function) and any active torch-function mode; a CUDA graph freezes the kernels chosen under the
+    matmul precision and determinism settings. Grad mode is not here: tracing always runs without
+    gradients, and how a call's outputs relate to autograd is decided per call."""
+    autocast = () if not compat.any_autocast_enabled() else tuple(
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES)
+    modes = () if not compat.torch_function_mode_active() else (str(torch.get_default_device()),)
+    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), compat.matmul_settings(),
+            autocast, modes)
+
+
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A fast `lambda items: tuple(items[i] for i in positions)`."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda items: tuple(items[i] for i in positions)
+
+
+class Guard:
+    """Whether a call fits the call that made this guard, cheaply.
+
+    Pinned leaves are tensors read in place: recognized by identity and version counter, which every
+    in-place change of shape or layout bumps (resize_, set_, t_, unsqueeze_, ...); the executable
+    checks their addresses. What this cannot see is `t.data = v` with `v` at t's own address in
+    another layout. Every other leaf is compared in full, as in the cache key, and so are the call
+    state and the training flags of the modules the trace called. Tensors the function closes over
+    are the same objects on every call: those read in place (`captured_pinned`) are checked by
+    version, the others (`captured_compared`) in full.
+    """
+
+    def __init__(self, treedef: Any, leaves: Sequence[Any], pinned: Sequence[int], state: tuple,
+                 modules: Sequence[torch.nn.Module] = (), captured_pinned: Sequence[torch.Tensor] = (),
+                 captured_compared: Sequence[torch.Tensor] = ()):
+        self.treedef = treedef
+        self.state = state
+        self.pick_pinned = _picker(pinned)
+        chosen = set(pinned)
+        self.pick_rest = _picker([i for i in range(len(leaves)) if i not in chosen])
+        self.pinned = self.pick_pinned(leaves)
+        self.versions = list(map(_VERSION, self.pinned))
+        self.rest = signature(self.pick_rest(leaves))
+        self.modules = list(modules)
+        self.training = list(map(_TRAINING, self.modules))
+        self.captured_pinned = list(captured_pinned)
+        self.captured_versions = list(map(_VERSION, self.captured_pinned))
+        self.captured_compared = list(captured_compared)
+        self.captured_signature = signature(self.captured_compared)
+
+    def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
+        if treedef != self.treedef or state != self.state:
+            return False
+        pinned = self.pick_pinned(leaves)
+        return (all(map(operator.is_, pinned, self.pinned)) and list(map(_VERSION, pinned)) == self.versions
+                and signature(self.pick_rest(leaves)) == self.rest
+                and list(map(_TRAINING, self.modules)) == self.training
+                and list(map(_VERSION, self.captured_pinned)) == self.captured_versions
+                and signature(self.captured_compared) == self.captured_signature)
+
+
+def modes_unchanged(module_modes: Sequence[tuple[torch.nn.Module, bool]]) -> bool:
+    """Whether every module a trace called is still in the train/eval mode it was traced in."""
+    return all(module.training == training for module, training in module_modes)
+
+
+def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], names: Sequence[str]) -> None:
+    """Refuse a call in which a tensor the plan writes shares memory with another input.
+
+    A trace sees each argument as a tensor of its own. If `fn` writes `x` (an in-place update, or a
+    donated argument) and `y` is `x`, or a view overlapping it, eager PyTorch would read the new
+    values through `y` and the plan reads the old ones (or a half-written buffer): a different result.
+    Read-only aliasing is harmless and allowed. Memory is compared by byte range within a storage,
+    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then."""
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    span_of: dict[int, tuple[int, int, int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() == 0:
+            continue
+        start = tensor.storage_offset() * tensor.element_size()
+        extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+        span_of[index] = (tensor.untyped_storage().data_ptr(), start, start + extent * tensor.element_size())
+        by_storage.setdefault(span_of[index][0], []).append((*span_of[index][1:], index))
+    for index in written:
+        if index not in span_of:
+            continue
+        storage, start, end = span_of[index]
+        for other_start, other_end, other in by_storage[storage]:
+            if other != index and other_start < end and start < other_end:
+                raise InputError(
+                    f"{names[index]} and {names[other]} share memory, and the function writes {names[index]} "
+                    f"(an in-place update or a donated argument). A traced program sees them as separate "
+                    f"tensors, so it would not compute what eager PyTorch computes. Pass a copy "
+                    f"({names[other]}.clone()) or pass the tensor once.")

@@ -1,0 +1,406 @@
+"""What df.jit guarantees: a jitted function computes what the function computes, whatever the caller
+does between calls (switch modes, update weights in place, close over tensors, call from threads, pass
+aliased arguments, require gradients), or refuses with a named error. Each test compares with eager
+PyTorch on fresh random inputs."""
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynaflow_fn as df
+from dynaflow_fn import transforms as T
+
+
+# --- Python state that tracing reads -----------------------------------------------------------------
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.5)
+        self.bn = nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        return self.drop(self.bn(self.fc(x)))
+
+
+def test_switching_to_eval_after_the_first_call_is_seen():
+    model = DropoutNet().train()
+    fn, params = df.pure(model)
+    fast = df.jit(fn)
+    with torch.no_grad():
+        fast(params, torch.randn(16, 32))
+        model.eval()
+        for _ in range(2):
+            x = torch.randn(16, 32)
+            torch.testing.assert_close(fast(params, x), model(x), rtol=0, atol=0)
+        model.train()
+        assert (fast(params, torch.randn(16, 32)) == 0).any()                # dropout is on again
+    assert fast.cache_info().entries == 2 and fast.cache_info().misses == 2
+    model.eval()
+    fast(params, torch.randn(16, 32))
+    assert fast.cache_info().misses == 2                                      # both modes stay cached
+
+
+def test_a_submodule_switched_alone_is_seen():
+    model = DropoutNet().eval()
+    fast = df.jit(lambda x: model(x))
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+        assert not (fast(x) == 0).any()
+        model.drop.train()
+        assert (fast(x) == 0).any()
+    assert fast.cache_info().misses == 2
+
+
+def test_default_dtype_and_autocast_are_part_of_the_key():
+    fast = df.jit(lambda x: x @ x.T + torch.ones(x.shape[0]))
+    x = torch.randn(4, 4)
+    fast(x)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        expected = x @ x.T + torch.ones(4)
+        assert fast(x).dtype == expected.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    product = df.jit(lambda x: x @ x.T)
+    product(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.randn(4, 4)
+        expected, got = y @ y.T, product(y)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# --- tensors the function closes over --------------------------------------------------------------
+
+
+class GemmaNorm(nn.Module):
+    """RMSNorm that scales by (1 + weight): work that reads only the weight."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim) * 0.1)
+
+    def forward(self, x):
+        scale = (1 + self.weight.float()).to(x.dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+
+
+def test_closed_over_parameters_updated_in_place_are_read_fresh():
+    model = nn.Sequential(nn.Linear(16, 16), GemmaNorm(16))
+    fn, params = df.pure(model)
+    fast = df.jit(lambda x: fn(params, x))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(8, 16)
+        torch.testing.assert_close(fast(x), model(x).detach(), rtol=0, atol=0)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert fast.cache_info().misses == 1
+
+
+def test_work_on_a_closed_over_tensor_alone_follows_its_updates():
+    w = torch.randn(8)
+
+    def f(x):
+        return x * (w * 2) + x * w + (1 + w).to(torch.float64).sum()
+
+    fast = df.jit(f)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fast(x), f(x), rtol=0, atol=0)
+        w.add_(torch.randn(8))
+    program = df.trace(f, torch.randn(4, 8))
+    assert program.captured and program.captured[0].tensor is w and program.captured[0].name == "w"
+
+
+def test_a_closed_over_tensor_replaced_through_data_is_seen():
+    w = torch.randn(8)
+    f = lambda x: x * w.sum(0)                                       # noqa: E731
+    fast = df.jit(f)
+    fast(torch.randn(8))
+    w.data = torch.randn(8)                                          # same layout, new memory
+    x = torch.randn(8)
+    torch.testing.assert_close(fast(x), f(x), rtol=0, atol=0)
+    w.data = torch.randn(3, 8)                                       # new layout: traced again
+    torch.testing.assert_close(fast(x), f(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 2
+
+
+def test_a_closed_over_tensor_mutated_inside_the_function_is_written_back():
+    counter = torch.zeros(3)
+
+    def f(x):
+        counter.add_(x)
+        return counter * 2
+
+    expected_counter = torch.zeros(3)
+    fast = df.jit(f)
+    for _ in range(3):
+        x = torch.randn(3)
+        expected_counter += x
+        torch.testing.assert_close(fast(x), expected_counter * 2, rtol=0, atol=0)
+    torch.testing.assert_close(counter, expected_counter, rtol=0, atol=0)
+
+
+def test_literals_inside_the_function_stay_constants():
+    f = lambda x: x + torch.tensor([1.0, 2.0, 3.0])                   # noqa: E731
+    program = df.trace(f, torch.randn(3))
+    assert not program.captured
+    x = torch.randn(3)
+    torch.testing.assert_close(df.jit(f)(x), f(x))
+
+
+# --- threads -------------------------------------------------------------------------------------------
+
+
+def test_threads_calling_one_jitted_function_get_their_own_results():
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).eval()
+    fn, params = df.pure(model)
+    fast = df.jit(fn)
+    start = threading.Barrier(4)
+    wrong, errors = [], []
+
+    def work(seed):
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            start.wait()                                             # the first calls race too
+            for _ in range(40):
+                x = torch.randn(16, 64, generator=generator)
+                with torch.no_grad():
+                    if not torch.equal(fast(params, x), model(x)):
+                        wrong.append(seed)
+        except Exception as error:                                   # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and not wrong
+    assert fast.cache_info().misses == 1
+
+
+def test_tracing_ignores_module_calls_of_other_threads():
+    traced_model = DropoutNet().eval()
+    other = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    stop = threading.Event()
+
+    def eager_loop():
+        while not stop.is_set():
+            other(torch.randn(2, 4))
+
+    thread = threading.Thread(target=eager_loop)
+    thread.start()
+    try:
+        fn, params = df.pure(traced_model)
+        programs = [df.trace(fn, params, torch.randn(4, 32)) for _ in range(5)]
+    finally:
+        stop.set()
+        thread.join()
+    for program in programs:
+        seen = {s.module_type for n in program.ops() for s in n.meta["df"].scopes if s.kind == "module"}
+        assert seen == {DropoutNet, nn.Linear, nn.BatchNorm1d}         # eval-mode dropout adds no op
+
+
+# --- aliased arguments ------------------------------------------------------------------------------------
+
+
+def _add_into(a, b):
+    a.add_(1)
+    return a + b
+
+
+def test_a_written_argument_passed_twice_is_refused():
+    x = torch.randn(4)
+    with pytest.raises(df.InputError, match=r"a and b share memory"):
+        df.jit(_add_into)(x, x)
+    base = torch.randn(8)
+    with pytest.raises(df.InputError, match=r"share memory"):
+        df.jit(_add_into)(base[:5], base[3:])                        # overlapping views
+
+
+def test_disjoint_views_and_read_only_aliases_are_fine():
+    base, expected = torch.randn(8), None
+    expected_base = base.clone()
+    expected = _add_into(expected_base[:4], expected_base[4:])
+    torch.testing.assert_close(df.jit(_add_into)(base[:4], base[4:]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(base, expected_base, rtol=0, atol=0)
+    x = torch.randn(4)
+    torch.testing.assert_close(df.jit(torch.add)(x, x), x + x)
+
+
+def test_a_donated_argument_aliasing_another_is_refused():
+    step = df.jit(lambda w, g: (w - 0.1 * g, (g * w).sum()), donate_argnums=(0,))
+    w = torch.randn(4)
+    step(torch.randn(4), torch.randn(4))
+    with pytest.raises(df.InputError, match=r"w and g share memory"):
+        step(w, w)
+
+
+# --- autograd -------------------------------------------------------------------------------------------
+
+
+def test_outputs_from_inputs_that_require_grad_refuse_backward_with_a_named_error():
+    model = nn.Linear(8, 8)
+    fn, params = df.pure(model)
+    fast = df.jit(fn)
+    x = torch.randn(2, 8)
+    y = fast(params, x)
+    assert y.requires_grad and model(x).requires_grad
+    torch.testing.assert_close(y.detach(), model(x).detach())
+    with pytest.raises(RuntimeError, match=r"df\.jit.*value_and_grad"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not fast(params, x).requires_grad
+    plain = df.jit(lambda a: a * 2)(torch.randn(3))
+    assert not plain.requires_grad
+
+
+# --- static leaves and options ---------------------------------------------------------------------------
+
+
+def test_static_floats_are_keyed_by_their_bits():
+    fast = df.jit(lambda x, s: x / s)
+    x = torch.randn(4)
+    assert torch.equal(fast(x, 0.0), x / 0.0) and torch.equal(fast(x, -0.0), x / -0.0)
+    assert fast.cache_info().misses == 2
+    fast(x, float("nan"))
+    fast(x, float("nan"))
+    assert fast.cache_info().misses == 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldsTensor:
+    weight: torch.Tensor
+
+
+def test_dataclass_static_leaves_are_keyed_field_by_field_and_refuse_tensors():
+    fast = df.jit(lambda x, c: x / c.scale)
+    x = torch.randn(4)
+    assert torch.equal(fast(x, Config(0.0)), x / 0.0) and torch.equal(fast(x, Config(-0.0)), x / -0.0)
+    with pytest.raises(df.InputError, match=r"c\.weight"):
+        df.jit(lambda x, c: x * c.weight)(x, HoldsTensor(torch.randn(4)))
+
+
+def test_donating_a_non_tensor_is_an_error():
+    with pytest.raises(df.InputError, match=r"donate_argnums names argument 1 \(lr\), which holds no tensor"):
+        df.jit(lambda w, lr: w * lr, donate_argnums=(1,))(torch.randn(3), 0.1)
+
+
+def test_auto_with_in_axes_that_cannot_apply_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAFLOW_CACHE_DIR", str(tmp_path))
+    fast = df.jit(lambda w, x: x @ w, strategy="auto", in_axes=(None, 5), progress=False)
+    with pytest.raises(df.TransformError, match=r"axis 5"):
+        fast(torch.randn(4, 4), torch.randn(8, 4))
+
+
+def test_an_auto_decision_is_keyed_by_the_candidates_it_chose_among():
+    from dynaflow_fn import autotune
+
+    fn = lambda x: x * 2                                              # noqa: E731
+    device = torch.device("cpu")
+    assert autotune.decision_key(fn, "sig", device, 1, ["none", "branches"]) != \
+        autotune.decision_key(fn, "sig", device, 1, ["none", "branches", "microbatch2-tbo"])
+
+
+# --- errors while tracing ----------------------------------------------------------------------------------
+
+
+def _mismatched(x, w):
+    h = x * 2
+    return h @ w
+
+
+def test_a_shape_error_inside_the_function_names_the_users_line():
+    with pytest.raises(df.TraceError) as caught:
+        df.jit(_mismatched)(torch.randn(4, 8), torch.randn(7, 3))
+    message = str(caught.value)
+    assert "test_guarantees.py" in message and "return h @ w" in message and "aten.mm" in message
+    assert "cannot be multiplied" in message and len(message.splitlines()) == 1
+    assert caught.value.__cause__ is None and caught.value.original is not None
+
+
+def test_numpy_inside_the_function_is_a_trace_error_with_the_way_out():
+    with pytest.raises(df.TraceError, match=r"x\.numpy\(\).*fake tensors"):
+        df.jit(lambda x: torch.from_numpy(x.numpy()))(torch.randn(3))
+
+
+def test_the_functions_own_exceptions_pass_unchanged():
+    def refuses(x):
+        raise ValueError("not for this input")
+
+    with pytest.raises(ValueError, match="not for this input"):
+        df.jit(refuses)(torch.randn(3))
+
+
+def test_sparse_inputs_are_refused_by_name():
+    with pytest.raises(df.InputError, match=r"x is a sparse_coo tensor"):
+        df.jit(lambda x: x * 2)(torch.randn(3, 3).to_sparse())
+
+
+# --- fake kernels stricter than real ones ------------------------------------------------------------------
+
+
+def _tiny_moe(name):
+    transformers = pytest.importorskip("transformers")
+    configs = {
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+            intermediate_size=64, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, head_dim=8)),
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)),
+    }
+    config_name, model_name, extra = configs[name]
+    config = getattr(transformers, config_name)(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, **extra)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_moe_models_with_float32_experts_trace_and_match_eager(name):
+    model = _tiny_moe(name)
+    fn, params = df.pure(model)
+    fast = df.jit(lambda p, ids: fn(p, ids, use_cache=False).logits)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(params, ids), model(ids, use_cache=False).logits, rtol=0, atol=0)
+
+
+def test_an_op_rejected_by_both_kernels_names_the_op_and_the_line():
+    def grouped(x, w, offsets):
+        return F.grouped_mm(x, w, offs=offsets)
+
+    x, w = torch.randn(16, 8), torch.randn(2, 8, 5)                  # strides of 20 bytes: rejected for real
+    offsets = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(df.TraceError, match=r"aten\._grouped_mm.*return F\.grouped_mm.*eager PyTorch rejects"):
+        df.jit(grouped)(x, w, offsets)
+
+
+def test_microbatched_closures_split_only_the_arguments():
+    w = torch.randn(8, 8)
+    step = df.jit(T.microbatch(lambda x: x @ (w * 2), num=2, in_axes=0))
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(step(x), x @ (w * 2))
+    w.mul_(2)
+    torch.testing.assert_close(step(x), x @ (w * 2))
