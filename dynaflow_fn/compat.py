@@ -169,20 +169,25 @@ def _public_matmul_settings() -> tuple:
             torch.get_float32_matmul_precision(), str(torch.backends.cuda.preferred_blas_library()))
 
 
-_MATMUL_GETTERS = ("_get_cublas_allow_tf32", "_get_cudnn_allow_tf32", "_get_cublas_allow_fp16_reduced_precision_reduction",
-                   "_get_cublas_allow_bf16_reduced_precision_reduction", "_get_cudnn_deterministic",
-                   "_get_cudnn_benchmark", "_get_blas_preferred_backend")
-
-
-def matmul_settings() -> tuple:
-    """The settings that choose matmul and convolution kernels (TF32, reduced-precision reductions,
-    cuDNN determinism and autotuning, the preferred BLAS library, float32 matmul precision). A CUDA
-    graph keeps the kernels chosen when it was captured, so a change must capture again. The
-    public torch.backends properties cost about 2 us together; torch._C's getters a tenth of that."""
-    getters = [getattr(torch._C, name, None) for name in _MATMUL_GETTERS]
+def _resolve_matmul_settings() -> Any:
+    getters = [getattr(torch._C, name, None) for name in ("_get_cublas_allow_tf32", "_get_cudnn_allow_tf32",
+               "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
+               "_get_cudnn_deterministic", "_get_cudnn_benchmark", "_get_blas_preferred_backend",
+               "_get_float32_matmul_precision")]
     if None in getters:
-        return _public_matmul_settings()
-    return tuple(getter() for getter in getters) + (torch.get_float32_matmul_precision(),)
+        return _public_matmul_settings
+    tf32, cudnn_tf32, fp16, bf16, deterministic, benchmark, blas, precision = getters
+
+    def matmul_settings() -> tuple:
+        """The settings that choose matmul and convolution kernels (TF32, reduced-precision reductions,
+        cuDNN determinism and autotuning, the preferred BLAS library, float32 matmul precision). A CUDA
+        graph keeps the kernels chosen when it was captured, so a change must capture again. Read on
+        every call: torch._C's getters cost a tenth of the torch.backends properties (about 2 us)."""
+        return tf32(), cudnn_tf32(), fp16(), bf16(), deterministic(), benchmark(), blas(), precision()
+    return matmul_settings
+
+
+matmul_settings = _resolve_matmul_settings()
 
 
 # --- autograd -----------------------------------------------------------------------------------------
@@ -201,19 +206,21 @@ class _NoBackward(torch.autograd.Function):
         raise RuntimeError(ctx.message)
 
 
-def without_backward(tensors: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+def without_backward(tensors: list[torch.Tensor], message: bytes) -> list[torch.Tensor]:
     """The same tensors (same memory), now requiring grad, whose backward raises `message`.
 
     What eager PyTorch would hand back from inputs that require grad is a tensor in the autograd
     graph; a compiled plan has none, so its outputs say so when backward reaches them instead of
     failing far away with "does not require grad". torch's DelayedError node does this in one C++
     call; the fallback is an autograd.Function."""
-    delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
-    if delayed is None:
-        return list(_NoBackward.apply(message, *(_requiring_grad(t) for t in tensors)))
-    node = delayed(message.encode(), len(tensors))
+    if _DelayedError is None:
+        return list(_NoBackward.apply(message.decode(), *(_requiring_grad(t) for t in tensors)))
+    node = _DelayedError(message, len(tensors))
     results = node(*(_requiring_grad(t) for t in tensors))
     return list(results) if isinstance(results, tuple) else [results]
+
+
+_DelayedError = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
 
 
 def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,13 +232,14 @@ def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
 # --- CUDA graphs -----------------------------------------------------------------------------------------
 
 
-def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int], indices: Sequence[int]) -> bool:
-    """Whether `tensors[i].data_ptr() == data_ptrs[k]` for each k, i = indices[k]: in C++ on CUDA
-    builds (what torch.compile's CUDA graphs check their static inputs with), else in Python."""
+def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None], indices: Sequence[int]) -> bool:
+    """Whether `tensors[i].data_ptr() == data_ptrs[i]` for every i in `indices` (`data_ptrs` has an
+    entry per tensor): in C++ on CUDA builds (what torch.compile's CUDA graphs check their static
+    inputs with), else in Python."""
     query = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
     if query is not None:
         return query(tensors, data_ptrs, indices)
-    return all(tensors[i].data_ptr() == ptr for i, ptr in zip(indices, data_ptrs))
+    return all(tensors[i].data_ptr() == data_ptrs[i] for i in indices)
 
 
 def current_stream_id(device_index: int) -> Any:

@@ -54,6 +54,9 @@ def signature(leaves: Sequence[Any]) -> tuple:
 
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
+_default_dtype, _deterministic = torch.get_default_dtype, torch.are_deterministic_algorithms_enabled
+_any_autocast, _function_modes, _matmul = compat.any_autocast_enabled, compat.torch_function_mode_active, \
+    compat.matmul_settings
 
 
 def call_state() -> tuple:
@@ -63,18 +66,20 @@ def call_state() -> tuple:
     function) and any active torch-function mode; a CUDA graph freezes the kernels chosen under the
     matmul precision and determinism settings. Grad mode is not here: tracing always runs without
     gradients, and how a call's outputs relate to autograd is decided per call."""
-    autocast = () if not compat.any_autocast_enabled() else tuple(
+    autocast = () if not _any_autocast() else tuple(
         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES)
-    modes = () if not compat.torch_function_mode_active() else (str(torch.get_default_device()),)
-    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), compat.matmul_settings(),
-            autocast, modes)
+    modes = () if not _function_modes() else (str(torch.get_default_device()),)
+    return _default_dtype(), _deterministic(), _matmul(), autocast, modes
 
 
-def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
     """A fast `lambda items: tuple(items[i] for i in positions)`."""
     if len(positions) > 1:
         return operator.itemgetter(*positions)
-    return lambda items: tuple(items[i] for i in positions)
+    if positions:
+        only = positions[0]
+        return lambda items: (items[only],)
+    return lambda items: ()
 
 
 class Guard:
@@ -94,9 +99,9 @@ class Guard:
                  captured_compared: Sequence[torch.Tensor] = ()):
         self.treedef = treedef
         self.state = state
-        self.pick_pinned = _picker(pinned)
+        self.pick_pinned = picker(pinned)
         chosen = set(pinned)
-        self.pick_rest = _picker([i for i in range(len(leaves)) if i not in chosen])
+        self.pick_rest = picker([i for i in range(len(leaves)) if i not in chosen])
         self.pinned = self.pick_pinned(leaves)
         self.versions = list(map(_VERSION, self.pinned))
         self.rest = signature(self.pick_rest(leaves))

@@ -25,7 +25,7 @@ import torch
 from . import autotune, compat, distributed, tree
 from .causal import use_causal_kernels
 from .errors import InputError
-from .guard import Guard, call_state, check_no_aliasing, modes_unchanged, signature
+from .guard import Guard, call_state, check_no_aliasing, modes_unchanged, picker, signature
 from .inductor import compile_stages
 from .lower import lower
 from .plan import Plan
@@ -39,6 +39,7 @@ from .verify import verify
 BACKENDS = ("auto", "eager", "cudagraph", "inductor")
 RETRACE_WARNING_ENTRIES = 8
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,7 @@ class _Entry:
         self.plan = plan
         self.module_modes = tuple(module_modes)
         self.tensor_positions = tensor_positions
-        self.pick_tensors = operator.itemgetter(*tensor_positions) if len(tensor_positions) > 1 else (
-            lambda leaves: tuple(leaves[i] for i in tensor_positions))
+        self.pick_tensors = picker(tensor_positions)
         self.captured = [c.tensor for c in plan.captured]
         self.captured_specs = [TensorSpec.of(t) for t in self.captured]
         self.in_place = in_place | set(range(len(tensor_positions), len(tensor_positions) + len(self.captured)))
@@ -72,6 +72,11 @@ class _Entry:
         self.written = plan.written_inputs()
         returned_inputs = set(plan.input_slots)
         self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
+        self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
+        self.no_backward = (f"backward through the outputs of df.jit({getattr(jitted.fn, '__name__', 'fn')}): a "
+                            f"compiled plan records no autograd graph. Differentiate inside the jitted function "
+                            f"(df.value_and_grad / df.grad return the gradients), or call it under "
+                            f"torch.no_grad() when no gradient is needed.").encode()
         self.backend = jitted.resolve_backend(plan.device)
         self.executable: Any = None
         self.guard: Guard | None = None
@@ -88,18 +93,24 @@ class _Entry:
 
     def __call__(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
         """Run on leaves whose full signature, state and modes are this entry's; remember them for `replay`."""
-        tensors = [*self.pick_tensors(leaves), *self.captured]
-        outputs = self.run(tensors, rebuild_if_moved=True)
+        outputs = self.run(self._tensors(leaves), rebuild_if_moved=True)
         self.guard = self._guard(treedef, leaves, state)
         return outputs
 
     def replay(self, leaves: Sequence[Any]) -> Any:
         """Run on leaves that `guard` admitted. Raises AdoptedInputMoved if a tensor read in place has
         new memory, which may also mean a new layout (`t.data = ...`): the caller checks in full."""
-        return self.run([*self.pick_tensors(leaves), *self.captured], rebuild_if_moved=False)
+        return self.run(self._tensors(leaves), rebuild_if_moved=False)
+
+    def _tensors(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        """The executable's inputs: the argument tensors, then the closed-over ones."""
+        tensors = list(self.pick_tensors(leaves))
+        if self.captured:
+            tensors += self.captured
+        return tensors
 
     def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
-        adopted = [i for i in self._pinned()]
+        adopted = self._pinned()
         arguments = len(self.tensor_positions)
         return Guard(treedef, leaves, [self.tensor_positions[i] for i in adopted if i < arguments], state,
                      [m for m, _ in self.module_modes],
@@ -139,7 +150,7 @@ class _Entry:
             outputs = self.executable(tensors)
         if torch.is_grad_enabled() and self.differentiable and any(map(_REQUIRES_GRAD, tensors)):
             outputs = self._without_backward(outputs)
-        return self.plan.unflatten_outputs(outputs)
+        return outputs[0] if self.only_output else self.plan.unflatten_outputs(outputs)
 
     def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
@@ -147,19 +158,15 @@ class _Entry:
         chosen = [i for i in self.differentiable if outputs[i].is_floating_point() or outputs[i].is_complex()]
         if not chosen:
             return outputs
-        name = getattr(self.jitted.fn, "__name__", "fn")
-        message = (f"backward through the outputs of df.jit({name}): a compiled plan records no autograd graph. "
-                   f"Differentiate inside the jitted function (df.value_and_grad / df.grad return the gradients), "
-                   f"or call it under torch.no_grad() when no gradient is needed.")
         outputs = list(outputs)
-        for i, tensor in zip(chosen, compat.without_backward([outputs[i] for i in chosen], message)):
+        for i, tensor in zip(chosen, compat.without_backward([outputs[i] for i in chosen], self.no_backward)):
             outputs[i] = tensor
         return outputs
 
     def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
         """A call of this entry on the given arguments that leaves them unchanged: inputs the plan writes
         (donated, mutated) are replaced by copies, so timing it many times has no effect outside."""
-        tensors = [*self.pick_tensors(leaves), *self.captured]
+        tensors = self._tensors(leaves)
         for i in self.written:
             tensors[i] = tensors[i].clone()
         return lambda: self.run(tensors, rebuild_if_moved=True)
@@ -194,7 +201,10 @@ class Jitted:
     # --- public API ------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = optree.tree_flatten((args, kwargs))
+        if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):
+            leaves, treedef = list(args), self._positional(len(args))       # what optree would return, sooner
+        else:
+            leaves, treedef = optree.tree_flatten((args, kwargs))
         state = call_state()
         last = self._last
         if last is not None and last.guard is not None and last.guard.admits(treedef, leaves, state):
@@ -220,6 +230,11 @@ class Jitted:
             self.hits += 1
         self._last = entry if key is not None else None
         return entry(treedef, leaves, state)
+
+    @functools.lru_cache(maxsize=None)
+    def _positional(self, count: int) -> Any:
+        """The pytree structure of `count` positional leaves and no keywords."""
+        return optree.tree_structure(((0,) * count, {}))
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms) that a call with these arguments runs."""

@@ -1,5 +1,6 @@
 """Every entry of dynaflow_fn.compat works on this torch, and so does its fallback where the internal is gone."""
 
+import pytest
 import torch
 import torch.fx._symbolic_trace as symbolic_trace
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -83,3 +84,75 @@ def test_process_group_lookup_by_name_with_and_without_the_resolver(monkeypatch)
         assert compat.resolve_process_group(group.group_name) is group
     finally:
         dist.destroy_process_group()
+
+
+def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
+    fast = (compat.any_autocast_enabled(), compat.torch_function_mode_active())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compat.any_autocast_enabled()
+    torch.set_default_device("cpu")
+    try:
+        assert compat.torch_function_mode_active()
+    finally:
+        torch.set_default_device(None)
+    before, before_public = compat.matmul_settings(), compat._public_matmul_settings()
+    torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    try:
+        assert compat.matmul_settings() != before and compat._public_matmul_settings() != before_public
+    finally:
+        torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    assert compat.matmul_settings() == before
+    monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
+    monkeypatch.delattr(torch._C, "_len_torch_function_stack")
+    assert (compat.any_autocast_enabled(), compat.torch_function_mode_active()) == fast
+    monkeypatch.delattr(torch._C, "_get_cudnn_benchmark")
+    assert compat._resolve_matmul_settings() is compat._public_matmul_settings
+
+
+def test_without_backward_and_its_fallback_raise_the_message(monkeypatch):
+    weight = torch.randn(3, requires_grad=True)
+    for fallback in (False, True):
+        if fallback:
+            monkeypatch.setattr(compat, "_DelayedError", None)
+        x = torch.randn(3)
+        (y,) = compat.without_backward([x], b"no graph here")
+        assert y.requires_grad and y.data_ptr() == x.data_ptr() and torch.equal(y.detach(), x)
+        with pytest.raises(RuntimeError, match="no graph here"):
+            (y * weight).sum().backward()
+
+
+def test_data_ptrs_equal_in_python(monkeypatch):
+    monkeypatch.delattr(torch._C, "_tensors_data_ptrs_at_indices_equal", raising=False)
+    a, b = torch.randn(2), torch.randn(2)
+    assert compat.data_ptrs_equal([a, b], [None, b.data_ptr()], [1])
+    assert not compat.data_ptrs_equal([a, b], [None, a.data_ptr()], [1])
+
+
+def test_a_meta_kernel_stricter_than_the_real_one_defers_to_it(monkeypatch):
+    def too_strict(*args, **kwargs):
+        raise RuntimeError("the meta kernel refuses")
+
+    def trace(a, b, mode_class):
+        mode = mode_class(allow_non_fake_inputs=True)
+        with mode:
+            fa, fb = torch.empty_strided(a.shape, a.stride()), torch.empty_strided(b.shape, b.stride())
+        return make_fx(lambda x, y: torch.ops.aten.mm.default(x, y), tracing_mode="fake")(fa, fb)
+
+    with torch.library._scoped_library("aten", "IMPL") as library, compat.quiet_meta_failures():
+        library.impl("mm", too_strict, "Meta")
+        graph = trace(torch.randn(4, 8), torch.randn(8, 3), compat.FakeTensorModeWithFallback)
+        out = next(n for n in graph.graph.nodes if n.op == "call_function").meta["val"]
+        assert tuple(out.shape) == (4, 3)
+        with pytest.raises(compat.MetaKernelRejection) as caught:
+            trace(torch.randn(4, 8), torch.randn(7, 3), compat.FakeTensorModeWithFallback)
+        assert caught.value.confirmed and "cannot be multiplied" in str(caught.value)
+        monkeypatch.delattr(compat.FakeTensorMode, "can_run_unsafe_fallback")
+        with pytest.raises(compat.MetaKernelRejection, match="the meta kernel refuses") as caught:
+            trace(torch.randn(5, 8), torch.randn(8, 3), compat.FakeTensorModeWithFallback)  # new shapes: no cache hit
+        assert not caught.value.confirmed
+
+
+def test_current_stream_id_and_workspace_clearing_without_cuda(monkeypatch):
+    compat.clear_cublas_workspaces()                                 # a no-op without CUDA, never an error
+    monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)
+    compat.clear_cublas_workspaces()

@@ -404,3 +404,70 @@ def test_microbatched_closures_split_only_the_arguments():
     torch.testing.assert_close(step(x), x @ (w * 2))
     w.mul_(2)
     torch.testing.assert_close(step(x), x @ (w * 2))
+
+
+# --- the caller's program, at random ----------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings                  # noqa: E402
+from hypothesis import strategies as st                              # noqa: E402
+
+from models import Block                                              # noqa: E402
+
+
+class StatefulBlock(nn.Module):
+    """A transformer block with a batch norm (train mode reads batch statistics and updates running
+    buffers) and a registered buffer it scales by: mode switches, buffers and parameters all matter."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block(dim=16, heads=2, hidden=32)
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("scale", torch.rand(16) + 0.5)
+
+    def forward(self, x):
+        h = self.block(x)
+        return self.bn(h.transpose(1, 2)).transpose(1, 2) * self.scale
+
+
+ACTIONS = st.lists(st.sampled_from(["call", "call", "call", "update_parameter", "update_buffer",
+                                    "update_closed_over", "train", "eval"]), min_size=3, max_size=12)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=ACTIONS, seed=st.integers(0, 2**16))
+def test_random_sequences_of_calls_and_updates_match_eager(actions, seed):
+    torch.manual_seed(seed)
+    jitted_model, eager_model = StatefulBlock().eval(), StatefulBlock().eval()
+    eager_model.load_state_dict(jitted_model.state_dict())
+    offset = torch.randn(16)
+    offsets = {"jitted": offset, "eager": offset.clone()}            # a tensor the functions close over
+    fn, params = df.pure(jitted_model)
+    by_argument = df.jit(lambda p, x: fn(p, x) + offsets["jitted"])
+    closed_over = df.jit(lambda x: fn(params, x) - offsets["jitted"])
+
+    def eager(x, sign):
+        return eager_model(x) + sign * offsets["eager"]
+
+    with torch.no_grad():
+        for action in actions:
+            if action == "call":
+                x = torch.randn(3, 5, 16)
+                for call, sign in ((lambda: by_argument(params, x), 1), (lambda: closed_over(x), -1)):
+                    torch.testing.assert_close(call(), eager(x, sign), rtol=0, atol=0)
+                torch.testing.assert_close(jitted_model.bn.running_mean, eager_model.bn.running_mean)
+            elif action == "update_parameter":
+                delta = torch.randn(16)
+                jitted_model.block.norm1.weight.add_(delta)
+                eager_model.block.norm1.weight.add_(delta)
+            elif action == "update_buffer":
+                factor = torch.rand(16) + 0.5
+                jitted_model.scale.mul_(factor)
+                eager_model.scale.mul_(factor)
+            elif action == "update_closed_over":
+                delta = torch.randn(16)
+                offsets["jitted"].add_(delta)
+                offsets["eager"].add_(delta)
+            else:
+                getattr(jitted_model, action)()
+                getattr(eager_model, action)()

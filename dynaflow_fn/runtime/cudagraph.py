@@ -9,7 +9,8 @@ reports it and `jit` captures again.
 
 A call is: copy the non-adopted inputs, replay, then clone the outputs (or hand out the static
 outputs themselves when the caller asked for them; the next call overwrites those). Calls take turns
-(`Turns`): the static buffers are shared.
+(`Turns`): the static buffers are shared. Capture restricts only its own thread's CUDA calls
+("thread_local" mode), so other threads keep running CUDA work while a plan is captured.
 
 Memory the graph replays into. Everything a captured kernel touches must stay allocated, and to
 this graph, for as long as the graph lives: the arena, outputs and static inputs are held by the
@@ -52,7 +53,7 @@ class CudaGraphExecutable:
                               for tensor, adopted in zip(inputs, adopt)]
         self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
         self.adopted = [i for i, adopted in enumerate(adopt) if adopted]
-        self.addresses = [inputs[i].data_ptr() for i in self.adopted]
+        self.addresses = [tensor.data_ptr() if adopted else None for tensor, adopted in zip(inputs, adopt)]
         self.written_inputs = plan.written_inputs()
         self.write_back = [i for i in self.written_inputs if not adopt[i]]
         self.env = self.bound.new_env(self.static_inputs)
@@ -82,7 +83,8 @@ class CudaGraphExecutable:
         self.graph = torch.cuda.CUDAGraph()
         compat.clear_cublas_workspaces()
         try:
-            with torch.cuda.graph(self.graph, stream=capture_stream), torch.no_grad():
+            with torch.cuda.graph(self.graph, stream=capture_stream, capture_error_mode="thread_local"), \
+                    torch.no_grad():
                 self.bound.run(self.env, streams, events)
         finally:
             compat.clear_cublas_workspaces()
