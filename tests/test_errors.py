@@ -1,0 +1,130 @@
+"""Wrong inputs to partition rules are named errors that say what was expected, and warnings point at
+the user's line."""
+
+import inspect
+import os
+import re
+
+import pytest
+import torch
+
+import dynaflow_fn as df
+from dynaflow_fn import transforms as T
+from models import MLP, Block
+
+
+def _mlp():
+    fn, params = df.pure(MLP())
+    return fn, params, torch.randn(4, 32)
+
+
+# --- partition rules -----------------------------------------------------------------------------
+
+
+def _regex_error(pattern):
+    with pytest.raises(re.error) as error:
+        re.compile(pattern)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("make, rule, pattern", [
+    (lambda p: T.Op(p), "T.Op", "all_reduce("),
+    (lambda p: T.Op(p), "T.Op", "[mm"),
+    (lambda p: T.Module(p), "T.Module", "layers.*)"),
+])
+def test_an_invalid_regex_is_a_transform_error_at_construction_naming_the_rule(make, rule, pattern):
+    with pytest.raises(df.TransformError) as error:
+        make(pattern)
+    message = str(error.value)
+    assert f"{rule}({pattern!r})" in message and _regex_error(pattern) in message
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda: T.Op(3), "T.Op"),
+    (lambda: T.Module(int), "T.Module"),
+    (lambda: T.Module(None), "T.Module"),
+    (lambda: T.Region(["attn"]), "T.Region"),
+    (lambda: T.Region("attn", tags="attn"), "tags"),
+    (lambda: T.partition(lambda x: x, rules=T.Region("attn")), "list of rules"),
+    (lambda: T.partition(lambda x: x, rules=["attn"]), "'attn'"),
+])
+def test_a_rule_of_the_wrong_type_is_an_input_error_naming_what_it_takes(make, named):
+    with pytest.raises(df.InputError, match=re.escape(named)) as error:
+        make()
+    assert isinstance(error.value, TypeError)
+
+
+def test_string_tags_are_refused_not_split_into_characters():
+    with pytest.raises(df.InputError, match=r"tags=\{'attn'\}"):
+        T.Op("mm", tags="attn")
+    assert T.Op("mm", tags={"attn"}).stage_tags() == {"attn"}
+
+
+def _unmatched_warning(rule, fn, params, x):
+    with pytest.warns(UserWarning, match="matched no node") as record:
+        T.partition(df.trace(fn, params, x), rules=[rule])
+    return str(record[0].message)
+
+
+def test_each_rule_type_says_why_it_matched_nothing_and_what_the_program_has():
+    fn, params, x = _mlp()
+    ops = {n.target for n in df.trace(fn, params, x).ops()}
+    op_names = sorted(df.program.op_name(op) for op in ops)
+
+    region = _unmatched_warning(T.Region("attn"), fn, params, x)
+    assert "no `with df.region('attn')` block ran while tracing" in region and "aten." not in region
+
+    op = _unmatched_warning(T.Op(r"conv"), fn, params, x)
+    assert all(name in op for name in op_names) and "df.region" not in op
+
+    module = _unmatched_warning(T.Module(torch.nn.Conv2d), fn, params, x)
+    assert "no call of a Conv2d module" in module and "layers.0:Linear" in module
+
+    by_name = _unmatched_warning(T.Module("attn"), fn, params, x)
+    assert "module names" in by_name and "layers.2:Linear" in by_name
+
+    kind = _unmatched_warning(T.Kind("comm"), fn, params, x)
+    assert "no comm work" in kind
+
+
+def test_a_region_rule_lists_the_regions_that_did_run():
+    fn, params = df.pure(Block())
+    message = _unmatched_warning(T.Region("mlp_typo"), fn, params, torch.randn(2, 4, 32))
+    assert "regions entered: attn" in message
+
+
+def _next_line():
+    """The number of the line after the caller's."""
+    return inspect.currentframe().f_back.f_lineno + 1
+
+
+def test_an_unmatched_rule_warns_at_the_users_line_whatever_the_path():
+    fn, params, x = _mlp()
+    rule = T.Region("nowhere")
+    with pytest.warns(UserWarning, match="matched no node") as record:
+        lines = [_next_line()]
+        df.trace(T.partition(fn, rules=[rule]), params, x)
+        lines.append(_next_line())
+        df.jit(T.overlap(T.partition(fn, rules=[rule]), "sequential"))(params, x)
+        lines.append(_next_line())
+        T.partition(df.trace(fn, params, x), rules=[rule])
+        lines.append(_next_line())
+        df.trace(T.compose(T.microbatch(num=2, in_axes=(None, 0)), T.partition(rules=[rule]))(fn), params, x)
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line) for line in lines]
+
+
+def _compiled(directory, source, namespace):
+    """The function `call` defined by `source` as if it were written in a file of `directory`."""
+    exec(compile(source, os.path.join(directory, "_caller.py"), "exec"), namespace)
+    return namespace["call"]
+
+
+def test_warn_attributes_a_warning_to_the_first_frame_outside_dynaflow_and_torch():
+    from dynaflow_fn.errors import warn
+
+    inner = _compiled(os.path.dirname(df.__file__), "def call():\n    warn('deep inside')\n", {"warn": warn})
+    outer = _compiled(os.path.dirname(torch.__file__), "def call():\n    inner()\n", {"inner": inner})
+    with pytest.warns(UserWarning, match="deep inside") as record:
+        line = _next_line()
+        outer()
+    assert (record[0].filename, record[0].lineno) == (__file__, line)
