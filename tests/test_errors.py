@@ -1,5 +1,5 @@
-"""Wrong inputs to partition rules are named errors that say what was expected, and warnings point at
-the user's line."""
+"""Wrong inputs to partition rules and schedulers are named errors that say what was expected, and
+warnings point at the user's line."""
 
 import inspect
 import os
@@ -128,3 +128,77 @@ def test_warn_attributes_a_warning_to_the_first_frame_outside_dynaflow_and_torch
         line = _next_line()
         outer()
     assert (record[0].filename, record[0].lineno) == (__file__, line)
+
+
+# --- schedulers ----------------------------------------------------------------------------------
+
+
+class _BadPick(df.Scheduler):
+    def __init__(self, answer):
+        self.answer = answer
+
+    def pick(self, ready, graph, issued):
+        return self.answer(ready, graph, issued)
+
+
+def _stage_of_another_batch(ready, graph, issued):
+    return next(s for s in graph.stages if s not in ready and s.index not in {i.stage for i in issued}), 0
+
+
+@pytest.mark.parametrize("answer, shown", [
+    (lambda ready, graph, issued: ready[0], "pick returned stage 0"),
+    (lambda ready, graph, issued: None, "pick returned None"),
+    (lambda ready, graph, issued: (ready[0].index, 0), "returned 0 as the stage"),
+    (lambda ready, graph, issued: (ready[0], df.Stream(0, "main")), "on stream Stream("),
+    (lambda ready, graph, issued: (ready[0], 2), "on stream 2"),
+    (lambda ready, graph, issued: (ready[0], -1), "on stream -1"),
+    (lambda ready, graph, issued: (ready[0], True), "on stream True"),
+    (lambda ready, graph, issued: (graph.stages[0], 0), "not ready (it was issued already)"),
+    (_stage_of_another_batch, "not ready (it reads stage"),
+])
+def test_a_pick_of_the_wrong_shape_is_a_schedule_error_naming_the_scheduler_and_the_answer(answer, shown):
+    fn, params, x = _mlp()
+    step = T.overlap(T.partition(fn, rules=[T.Module(torch.nn.Linear)]), strategy=_BadPick(answer))
+    with pytest.raises(df.ScheduleError) as error:
+        df.trace(step, params, x)
+    message = str(error.value)
+    assert message.startswith("_BadPick.pick") and shown in message
+    assert "expected (stage, stream)" in message and "1 streams" in message
+
+
+class _BadSchedule(df.Scheduler):
+    def __init__(self, answer):
+        self.answer = answer
+
+    def schedule(self, graph):
+        return self.answer(graph)
+
+
+@pytest.mark.parametrize("answer, shown", [
+    (lambda graph: None, "schedule() returned None"),
+    (lambda graph: [(s.index, 0) for s in graph.stages], "returned (0, 0) at position 0"),
+    (lambda graph: [T.Issue(s, 0) for s in graph.stages], "names no stage"),
+    (lambda graph: [T.Issue(s.index, "main") for s in graph.stages], "on stream 'main'"),
+    (lambda graph: [T.Issue(s.index, 0, after=0) for s in graph.stages], "after=0"),
+])
+def test_a_schedule_of_the_wrong_shape_is_a_schedule_error(answer, shown):
+    fn, params, x = _mlp()
+    step = T.overlap(T.partition(fn, rules=[T.Module(torch.nn.Linear)]), strategy=_BadSchedule(answer))
+    with pytest.raises(df.ScheduleError, match=re.escape(shown)) as error:
+        df.trace(step, params, x)
+    assert "_BadSchedule" in str(error.value)
+
+
+def test_a_scheduler_that_overrides_nothing_is_a_schedule_error():
+    class Empty(df.Scheduler):
+        pass
+
+    fn, params, x = _mlp()
+    with pytest.raises(df.ScheduleError, match="Empty must override pick"):
+        df.trace(T.overlap(fn, strategy=Empty()), params, x)
+
+
+@pytest.mark.parametrize("strategy", [3, ["tbo"], None])
+def test_a_strategy_of_the_wrong_type_is_an_input_error(strategy):
+    with pytest.raises(df.InputError, match="strategy takes a name"):
+        T.overlap(lambda x: x, strategy=strategy)
