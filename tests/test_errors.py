@@ -1,5 +1,5 @@
-"""Wrong inputs to partition rules and schedulers are named errors that say what was expected, and
-warnings point at the user's line."""
+"""Wrong inputs to rules, schedulers, df.lower and df.verify are named errors that say what was expected,
+and warnings point at the user's line."""
 
 import inspect
 import os
@@ -202,3 +202,78 @@ def test_a_scheduler_that_overrides_nothing_is_a_schedule_error():
 def test_a_strategy_of_the_wrong_type_is_an_input_error(strategy):
     with pytest.raises(df.InputError, match="strategy takes a name"):
         T.overlap(lambda x: x, strategy=strategy)
+
+
+# --- df.lower and df.verify ----------------------------------------------------------------------
+
+
+def _program_and_plan():
+    fn, params, x = _mlp()
+    program = df.trace(fn, params, x)
+    return fn, params, x, program, df.lower(program)
+
+
+@pytest.mark.parametrize("argument, way_out", [
+    ("program", "df.verify(df.lower(program))"),
+    ("function", "df.verify(df.lower(df.trace(fn, *args)))"),
+    ("jitted", "df.verify(fast.lower(*args))"),
+    ("number", "df.lower(program)"),
+])
+def test_verify_of_something_other_than_a_plan_says_how_to_get_one(argument, way_out):
+    fn, params, x, program, _ = _program_and_plan()
+    value = {"program": program, "function": fn, "jitted": df.jit(fn), "number": 3}[argument]
+    with pytest.raises(df.InputError, match=re.escape(way_out)) as error:
+        df.verify(value)
+    assert isinstance(error.value, TypeError) and "df.verify takes a Plan" in str(error.value)
+
+
+@pytest.mark.parametrize("argument, way_out", [
+    ("function", "df.lower(df.trace(fn, *args))"),
+    ("jitted", "fast.lower(*args)"),
+    ("module", "df.pure(model)"),
+    ("plan", "lowered already"),
+])
+def test_lower_of_something_other_than_a_program_says_how_to_get_one(argument, way_out):
+    fn, params, x, _, plan = _program_and_plan()
+    value = {"function": fn, "jitted": df.jit(fn), "module": MLP(), "plan": plan}[argument]
+    with pytest.raises(df.InputError, match=re.escape(way_out)) as error:
+        df.lower(value)
+    assert isinstance(error.value, TypeError) and "df.lower takes a Program" in str(error.value)
+
+
+def _donation_program():
+    def step(a, b):
+        return a + 1, b.t() * 2, b.sum()
+
+    return df.trace(step, torch.randn(4, 3), torch.randn(3, 3))
+
+
+@pytest.mark.parametrize("donate, named", [
+    ({3: 0}, "donate={3: 0} names output 3, but step returns 3 tensors"),
+    ({0: 2}, "donate={0: 2} names input 2, but step takes 2 tensors"),
+    ({-1: 0}, "donate={-1: 0} names output -1"),
+    ({"0": 0}, "donate={'0': 0}: donate maps a flat output index (an int)"),
+    ({0: True}, "donate={0: True}: donate maps"),
+    ([(0, 0)], "donate maps output indices to input indices"),
+    ({1: 1}, "donate={1: 1}: output 1 (out[1]) is f32[3, 3] strides (1, 3) on cpu but input 1 (b) is f32[3, 3] "
+             "strides (3, 1)"),
+    ({2: 0}, "donate={2: 0}: output 2 (out[2]) is f32[] strides () on cpu but input 0 (a) is f32[4, 3]"),
+    ({0: 0, 1: 0}, "donate writes output 0 (out[0]) and output 1 (out[1]) both into input 0 (a)"),
+])
+def test_a_bad_donation_is_an_input_error_naming_the_pair(donate, named):
+    with pytest.raises(df.InputError, match=re.escape(named)):
+        df.lower(_donation_program(), donate=donate)
+
+
+def test_a_good_donation_writes_the_output_into_the_input():
+    from dynaflow_fn.runtime.eager import EagerExecutable
+
+    program = _donation_program()
+    plan = df.lower(program, donate={0: 0})
+    a, b = torch.randn(4, 3), torch.randn(3, 3)
+    expected = program(a, b)
+    donated = a.clone()
+    outputs = plan.unflatten_outputs(EagerExecutable(plan, plan.device)([donated, b]))
+    torch.testing.assert_close(donated, expected[0])
+    for out, reference in zip(outputs, expected):
+        torch.testing.assert_close(out, reference)
