@@ -18,16 +18,27 @@ Tensor parallelism for the examples and benchmarks:
 
 from __future__ import annotations
 
-import datetime
+import ast as _ast
+import datetime as _datetime
 from typing import Any
 
-import torch
-import torch.distributed as dist
+import optree as _optree
+import torch as _torch
+import torch.distributed as _dist
+from torch import Tensor
 
-from . import ops
-from .compat import default_store, functional_collectives, resolve_process_group
+from . import ops as _ops
+from .compat import OpOverload, default_store, functional_collectives, resolve_process_group
 from .errors import DynaflowError
 from .plan import Plan
+
+__all__ = [
+    "CHECK_TIMEOUT_S", "DistributedError", "all_reduce", "average", "check_consistent", "collective_signature",
+    "comm_group", "input_signature", "shard",
+]
+
+CHECK_TIMEOUT_S = 60.0
+"""How long `check_consistent` (run by df.jit before a new plan's first call) waits for the other ranks."""
 
 
 class DistributedError(DynaflowError):
@@ -35,13 +46,13 @@ class DistributedError(DynaflowError):
 
 
 def _group(group: Any) -> Any:
-    if not dist.is_available() or not dist.is_initialized():
+    if not _dist.is_available() or not _dist.is_initialized():
         raise DistributedError("no process group is initialized: call torch.distributed.init_process_group "
                                "(torchrun sets up the environment for it) before tracing collectives")
-    return group if group is not None else dist.group.WORLD
+    return group if group is not None else _dist.group.WORLD
 
 
-def all_reduce(tensor: torch.Tensor, group: Any = None, op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: Tensor, group: Any = None, op: str = "sum") -> Tensor:
     """Functional all-reduce (a new tensor; the input is unchanged) that traces into a Program."""
     return functional_collectives().all_reduce(tensor, op, _group(group))
 
@@ -58,16 +69,16 @@ def comm_group(max_ctas: int, group: Any = None) -> Any:
     group = _group(group)
     if max_ctas < 1:
         raise ValueError(f"max_ctas must be at least 1, got {max_ctas}")
-    ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = tuple(_dist.get_process_group_ranks(group))
     key = (ranks, max_ctas)
     if key not in _comm_groups:
-        if dist.get_backend(group) == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
+        if _dist.get_backend(group) == "nccl":
+            options = _dist.ProcessGroupNCCL.Options()
             options.config.max_ctas = max_ctas
             options.is_high_priority_stream = True
-            _comm_groups[key] = dist.new_group(list(ranks), backend="nccl", pg_options=options)
+            _comm_groups[key] = _dist.new_group(list(ranks), backend="nccl", pg_options=options)
         else:
-            _comm_groups[key] = dist.new_group(list(ranks))
+            _comm_groups[key] = _dist.new_group(list(ranks))
     return _comm_groups[key]
 
 
@@ -80,19 +91,19 @@ def comm_group_name(group_name: str, max_ctas: int) -> str:
     return comm_group(max_ctas, resolve_process_group(group_name)).group_name
 
 
-def all_reduce_on_current_stream(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+def all_reduce_on_current_stream(tensor: Tensor, reduce_op: str, group_name: str) -> Tensor:
     """How a plan runs an in-place all-reduce (`_c10d_functional.all_reduce_`): through c10d's blocking
     call, which launches NCCL on the current stream, i.e. the plan's comm stream with its priority.
     The functional op would launch on the process group's internal stream and join back through two
     events, which a CUDA graph keeps as cross-stream edges on every collective."""
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, reduce_op.upper()), group=resolve_process_group(group_name))
+    _dist.all_reduce(tensor, op=getattr(_dist.ReduceOp, reduce_op.upper()), group=resolve_process_group(group_name))
     return tensor
 
 
-def shard(tensor: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
+def shard(tensor: Tensor, dim: int, group: Any = None) -> Tensor:
     """This rank's contiguous slice of `tensor` along `dim` (which the world size must divide)."""
     group = _group(group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = _dist.get_world_size(group), _dist.get_rank(group)
     if tensor.shape[dim] % world:
         raise DistributedError(f"cannot shard dimension {dim} of size {tensor.shape[dim]} over {world} ranks")
     return tensor.chunk(world, dim)[rank].contiguous()
@@ -111,27 +122,25 @@ def average(tree: Any, group: Any = None, bucket_mb: float = 25.0) -> Any:
     all-reduce runs on the comm stream as soon as its gradients exist, beside the rest of the
     backward pass.
     """
-    import optree
-
     group = _group(group)
-    world = dist.get_world_size(group)
-    nccl_averages = dist.get_backend(group) == "nccl"      # NCCL averages in the all-reduce: no extra pass
-    with optree.dict_insertion_ordered(True, namespace=_INSERTION_ORDER):
-        leaves, spec = optree.tree_flatten(tree, namespace=_INSERTION_ORDER)
+    world = _dist.get_world_size(group)
+    nccl_averages = _dist.get_backend(group) == "nccl"      # NCCL averages in the all-reduce: no extra pass
+    with _optree.dict_insertion_ordered(True, namespace=_INSERTION_ORDER):
+        leaves, spec = _optree.tree_flatten(tree, namespace=_INSERTION_ORDER)
     averaged: list[Any] = list(leaves)
     for bucket in _buckets(leaves, bucket_mb * 2**20):
-        flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
+        flat = _torch.cat([leaves[i].reshape(-1) for i in bucket])
         flat = all_reduce(flat, group, op="avg") if nccl_averages else all_reduce(flat, group) / world
         pieces = flat.split([leaves[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces):
             averaged[i] = piece.view(leaves[i].shape)
-    return optree.tree_unflatten(spec, averaged)
+    return _optree.tree_unflatten(spec, averaged)
 
 
 _INSERTION_ORDER = "dynaflow_fn.insertion_order"    # an optree namespace in which dicts keep their order
 
 
-def _buckets(leaves: list[torch.Tensor], capacity: float) -> list[list[int]]:
+def _buckets(leaves: list[Tensor], capacity: float) -> list[list[int]]:
     """Indices of leaves grouped into buckets of one dtype and device, filled from the last leaf."""
     buckets: list[list[int]] = []
     current: list[int] = []
@@ -150,45 +159,68 @@ def _buckets(leaves: list[torch.Tensor], capacity: float) -> list[list[int]]:
 
 
 def collective_signature(plan: Plan) -> list[tuple]:
-    """The plan's collectives in issue order: op, arguments that are not tensors, and tensor shapes."""
+    """The plan's collectives in issue order: op, named arguments that are not tensors (the reduce op,
+    the group, split sizes, ...) and the dtype and shape (`f32[8, 32]`) of each tensor they read."""
     signature = []
     for step in plan.steps:
-        if not ops.launches_collective(step.op):
+        if not _ops.launches_collective(step.op):
             continue
-        shapes = tuple((plan.slots[s].layout.shape, str(plan.slots[s].layout.dtype)) for s in step.reads())
-        constants = tuple(a for a in step.args if isinstance(a, (int, float, str)))
-        signature.append((str(step.op), constants, shapes))
+        shapes = tuple(str(plan.slots[s].layout) for s in step.reads())
+        signature.append((str(step.op), _constant_arguments(step.op, step.args, step.kwargs), shapes))
     return signature
 
 
-def check_consistent(plan: Plan, group: Any = None, timeout: float = 60.0) -> None:
+def _constant_arguments(op: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple[str, Any], ...]:
+    """(name, value) of each argument that holds no tensor, named as in the op's schema."""
+    return tuple((name, value) for name, value in _ops.bind_arguments(op, args, kwargs).items() if _is_literal(value))
+
+
+def _is_literal(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_literal(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def input_signature(plan: Plan) -> list[tuple[str, str]]:
+    """The plan's inputs as (argument path, `f32[8, 32]` for a tensor or the repr of a static value)."""
+    tensors = iter(plan.input_slots)
+    return [(spec.path, str(plan.slots[next(tensors)].layout) if spec.is_tensor else repr(spec.static_value))
+            for spec in plan.inputs]
+
+
+def check_consistent(plan: Plan, group: Any = None, timeout: float | None = None) -> None:
     """Raise DistributedError unless every rank of `group` runs the same collectives in the same order.
 
-    Uses the process group's store with a timeout, so a rank that never arrives is reported, not
-    waited for forever.
+    Uses the process group's store with a timeout (default `CHECK_TIMEOUT_S`), so a rank that never
+    arrives is reported, not waited for forever. Every rank also publishes the input signature of the
+    latest plan it checked for each function: when a rank built a plan for inputs of other shapes
+    than the others (a smaller last batch on one rank of a data-parallel job retraces that rank
+    alone), the timeout names the argument whose shape differs.
     """
     group = _group(group)
-    mine = collective_signature(plan)
-    world = dist.get_world_size(group)
+    world = _dist.get_world_size(group)
     if world == 1:
         return
+    timeout = CHECK_TIMEOUT_S if timeout is None else timeout
     store = default_store()
-    rank = dist.get_rank(group)
+    rank = _dist.get_rank(group)
+    inputs, mine = input_signature(plan), collective_signature(plan)
+    store.set(f"{_LATEST_INPUTS}/{plan.name}/{rank}", repr(inputs))
     key = f"dynaflow/collectives/{plan.name}/{_counter(plan.name)}"
-    store.set(f"{key}/{rank}", repr(mine))
+    store.set(f"{key}/{rank}", repr((inputs, mine)))
     names = [f"{key}/{r}" for r in range(world)]
     try:
-        store.wait(names, datetime.timedelta(seconds=timeout))
+        store.wait(names, _datetime.timedelta(seconds=timeout))
     except Exception as error:
         missing = [r for r, n in enumerate(names) if not store.check([n])]
-        raise DistributedError(f"rank(s) {missing} did not reach {plan.name}'s first call within {timeout:.0f} s "
-                               f"while ranks compared their collectives; every rank must call it") from error
+        raise DistributedError(_missing_ranks(plan.name, store, rank, inputs, missing, timeout)) from error
     for other in range(world):
-        theirs = store.get(names[other]).decode()
-        if theirs != repr(mine):
-            raise DistributedError(_difference(plan.name, rank, mine, other, theirs))
+        their_inputs, theirs = _ast.literal_eval(store.get(names[other]).decode())
+        if repr(theirs) != repr(mine):
+            raise DistributedError(_difference(plan.name, rank, (inputs, mine), other, (their_inputs, theirs)))
 
 
+_LATEST_INPUTS = "dynaflow/latest_inputs"     # store key prefix: per function and rank, its latest plan's inputs
 _calls: dict[str, int] = {}
 
 
@@ -197,13 +229,60 @@ def _counter(name: str) -> int:
     return _calls[name]
 
 
-def _difference(name: str, rank: int, mine: list[tuple], other: int, theirs: str) -> str:
-    import ast
+_SAME_SHAPES = ("every rank must call it with inputs of the same shapes (in data-parallel training, drop or pad "
+                "the last batch, e.g. DataLoader(drop_last=True))")
 
-    parsed = ast.literal_eval(theirs)
-    for index, (a, b) in enumerate(zip(mine, parsed)):
-        if repr(a) != repr(b):
-            return (f"{name}: collective #{index} differs between rank {rank} ({a[0]}, inputs {a[2]}) and rank "
-                    f"{other} ({b[0]}, inputs {b[2]}); every rank must run the same collectives on the same shapes")
-    return (f"{name}: rank {rank} runs {len(mine)} collectives but rank {other} runs {len(parsed)}; every rank "
-            f"must run the same collectives")
+
+def _missing_ranks(name: str, store: Any, rank: int, inputs: list[tuple[str, str]], missing: list[int],
+                   timeout: float) -> str:
+    """Why ranks did not arrive: other inputs than theirs (when they published theirs), else just who."""
+    for other in missing:
+        if not store.check([f"{_LATEST_INPUTS}/{name}/{other}"]):
+            continue
+        theirs = _ast.literal_eval(store.get(f"{_LATEST_INPUTS}/{name}/{other}").decode())
+        differences = _input_differences(rank, inputs, other, theirs)
+        if differences:
+            return (f"rank(s) {missing} did not reach the first call of {name} for this rank's input shapes within "
+                    f"{timeout:g} s. Rank {rank} built a new plan for inputs that differ from the ones rank {other} "
+                    f"last built {name} for: {'; '.join(differences)}. A rank that gets new shapes traces a new plan "
+                    f"alone, and the ranks then run different collectives; {_SAME_SHAPES}")
+    return (f"rank(s) {missing} did not reach {name}'s first call within {timeout:g} s while ranks compared their "
+            f"collectives; every rank must call it")
+
+
+def _input_differences(rank: int, mine: list[tuple[str, str]], other: int, theirs: list[tuple[str, str]]) -> list[str]:
+    """'x is f32[3, 32] on rank 0 but f32[4, 32] on rank 1', per argument path that differs."""
+    mine_by_path, theirs_by_path = dict(mine), dict(theirs)
+    differences = []
+    for path, text in mine_by_path.items():
+        if path not in theirs_by_path:
+            differences.append(f"{path} is passed on rank {rank} only")
+        elif theirs_by_path[path] != text:
+            differences.append(f"{path} is {text} on rank {rank} but {theirs_by_path[path]} on rank {other}")
+    differences += [f"{path} is passed on rank {other} only" for path in theirs_by_path if path not in mine_by_path]
+    return differences
+
+
+def _difference(name: str, rank: int, mine: tuple[list, list[tuple]], other: int,
+                theirs: tuple[list, list[tuple]]) -> str:
+    """What differs between two ranks' collectives (op, non-tensor arguments, input shapes) and inputs."""
+    (my_inputs, my_collectives), (their_inputs, their_collectives) = mine, theirs
+    inputs = _input_differences(rank, my_inputs, other, their_inputs)
+    because = f" (their inputs differ: {'; '.join(inputs)})" if inputs else ""
+    for index, (a, b) in enumerate(zip(my_collectives, their_collectives)):
+        if repr(a) == repr(b):
+            continue
+        (op, arguments, shapes), (their_op, their_arguments, their_shapes) = a, b
+        if op != their_op:
+            what = f"rank {rank} runs {op} but rank {other} runs {their_op}"
+        elif arguments != their_arguments:
+            mine_by_name, theirs_by_name = dict(arguments), dict(their_arguments)
+            what = "; ".join(f"{key} is {mine_by_name.get(key)!r} on rank {rank} but {theirs_by_name.get(key)!r} on "
+                             f"rank {other}" for key in dict.fromkeys([*mine_by_name, *theirs_by_name])
+                             if mine_by_name.get(key) != theirs_by_name.get(key))
+        else:
+            what = f"it reads {', '.join(shapes)} on rank {rank} but {', '.join(their_shapes)} on rank {other}"
+        return (f"{name}: collective #{index} differs between rank {rank} and rank {other} ({op}): {what}{because}; "
+                f"every rank must run the same collectives with the same arguments on the same shapes")
+    return (f"{name}: rank {rank} runs {len(my_collectives)} collectives but rank {other} runs "
+            f"{len(their_collectives)}{because}; every rank must run the same collectives")

@@ -1,6 +1,16 @@
-"""Exception types. Every error names the thing at fault (an argument path, a node, a rule) and the way out."""
+"""Exception types, and warnings attributed to the user's line.
+
+Every error names the thing at fault (an argument path, a node, a rule) and the way out.
+"""
 
 from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import optree
+import torch
 
 
 class DynaflowError(Exception):
@@ -25,3 +35,31 @@ class ScheduleError(DynaflowError):
 
 class VerificationError(DynaflowError):
     """A Plan failed the static happens-before check: some read or buffer reuse is not ordered."""
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torch.__file__, optree.__file__))
+_GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether code in `filename` belongs to dynaflow_fn or a library it runs the user's code through
+    (torch, optree, torch.fx's generated code), rather than to the user."""
+    return filename.startswith(_LIBRARY_DIRS) or filename.startswith(_GENERATED_CODE)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Issue a warning attributed to the user's line: the innermost calling frame outside dynaflow_fn,
+    torch and optree.
+
+    A fixed `stacklevel` points at whichever internal function happens to sit that many calls up,
+    which depends on the path that reached the warning (`df.trace`, `df.jit`, a transform applied to
+    a Program); the user's line is what they can change, and what warning filters by module match.
+    """
+    caller = inspect.currentframe().f_back
+    frame = caller
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    frame = frame or caller
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__", "<unknown>"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))

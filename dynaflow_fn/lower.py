@@ -32,10 +32,10 @@ from torch import fx
 
 from . import memory, ops
 from .compat import OpOverload, StorageWeakRef
-from .errors import ScheduleError
+from .errors import InputError, ScheduleError
 from .ordering import Clocks
 from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind, step_reads, step_writes
-from .program import Program, contiguous_strides, info
+from .program import Program, contiguous_strides, dtype_name, info
 from .reinplace import inplace_variant, mutated_arguments, plan_inplace
 
 
@@ -45,7 +45,68 @@ def lower(program: Program, *, donate: Mapping[int, int] | None = None) -> Plan:
     `donate` maps a flat output index to a flat tensor-input index whose storage receives that
     output in place (the caller donated the input); `df.jit(donate_argnums=...)` computes it.
     """
-    return _Lowering(program, dict(donate or {})).run()
+    if not isinstance(program, Program):
+        raise InputError(_not_a_program(program))
+    return _Lowering(program, _checked_donation(program, donate)).run()
+
+
+def _not_a_program(value: Any) -> str:
+    what = f"df.lower takes a Program, got {type(value).__qualname__}"
+    if isinstance(value, Plan):
+        return f"{what}: it is lowered already (df.verify and the backends take it as it is)"
+    if isinstance(value, torch.nn.Module):
+        return (f"{what}; make it a pure function and trace it: fn, params = df.pure(model); "
+                f"df.lower(df.trace(fn, params, *args))")
+    if callable(value) and callable(getattr(value, "lower", None)):
+        return f"{what}; a jitted function builds its own plan for given arguments: fast.lower(*args)"
+    if callable(value):
+        return f"{what}; trace the function first: df.lower(df.trace(fn, *args))"
+    return f"{what}; trace a function to get one: df.lower(df.trace(fn, *args))"
+
+
+def _checked_donation(program: Program, donate: Mapping[int, int] | None) -> dict[int, int]:
+    """`donate` as a dict, after checking that every pair names an output and a tensor input of the same
+    shape, strides, dtype and device, and that no input receives two outputs."""
+    if donate is None:
+        return {}
+    if not isinstance(donate, Mapping):
+        raise InputError(f"donate maps output indices to input indices, e.g. donate={{0: 0}}; got {donate!r}")
+    outputs = list(program.output_node().args[0])
+    placeholders = program.placeholders()
+    output_paths = {spec.tensor_index: spec.path for spec in program.outputs if spec.tensor_index is not None}
+    input_paths = {spec.node_name: spec.path for spec in program.inputs if spec.is_tensor}
+    output_name = lambda i: f"output {i} ({output_paths.get(i, outputs[i].name)})"
+    input_name = lambda i: f"input {i} ({input_paths.get(placeholders[i].name, placeholders[i].name)})"
+    receiver: dict[int, int] = {}
+    for out_index, in_index in donate.items():
+        pair = f"donate={{{out_index!r}: {in_index!r}}}"
+        if type(out_index) is not int or type(in_index) is not int:
+            raise InputError(f"{pair}: donate maps a flat output index (an int) to a flat tensor-input index (an int)")
+        if not 0 <= out_index < len(outputs):
+            raise InputError(f"{pair} names output {out_index}, but {program.name} returns {len(outputs)} tensors")
+        if not 0 <= in_index < len(placeholders):
+            raise InputError(f"{pair} names input {in_index}, but {program.name} takes {len(placeholders)} tensors")
+        if in_index in receiver:
+            raise InputError(f"donate writes {output_name(receiver[in_index])} and {output_name(out_index)} both into "
+                             f"{input_name(in_index)}; an input can receive one output")
+        receiver[in_index] = out_index
+        value, wanted = outputs[out_index].meta.get("val"), placeholders[in_index].meta["val"]
+        if not isinstance(value, torch.Tensor) or _layout(value) != _layout(wanted):
+            raise InputError(f"{pair}: {output_name(out_index)} is {_layout_text(value)} but {input_name(in_index)} is "
+                             f"{_layout_text(wanted)}; an output is donated only to an input of the same shape, "
+                             f"strides, dtype and device")
+    return dict(donate)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device
+
+
+def _layout_text(value: Any) -> str:
+    if not isinstance(value, torch.Tensor):
+        return f"not a tensor: {type(value).__name__}"
+    shape, stride, dtype, device = _layout(value)
+    return f"{dtype_name(dtype)}{list(shape)} strides {stride} on {device}"
 
 
 @dataclass

@@ -12,16 +12,20 @@ the capture stream's fork and ends before its join, as CUDA-graph capture requir
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
-from .errors import VerificationError
+from .errors import InputError, VerificationError
 from .ordering import Clocks
 from .plan import Plan, StepKind, StorageKind, format_step
+from .program import Program
 
 
 def verify(plan: Plan) -> Plan:
     """Raise VerificationError listing every unordered conflicting access; return the plan if it is safe."""
+    if not isinstance(plan, Plan):
+        raise InputError(_not_a_plan(plan))
     problems = _check_events(plan) or []
     if not problems:
         clocks = Clocks(plan.steps, len(plan.streams))
@@ -31,6 +35,17 @@ def verify(plan: Plan) -> Plan:
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise VerificationError(f"plan {plan.name} is not safe to run on {len(plan.streams)} streams:\n  {shown}{more}")
     return plan
+
+
+def _not_a_plan(value: Any) -> str:
+    what = f"df.verify takes a Plan, got {type(value).__qualname__}"
+    if isinstance(value, Program):
+        return f"{what}; lower it first: df.verify(df.lower(program))"
+    if callable(value) and callable(getattr(value, "lower", None)):
+        return f"{what}; check the plan it runs for given arguments: df.verify(fast.lower(*args))"
+    if callable(value):
+        return f"{what}; trace and lower the function first: df.verify(df.lower(df.trace(fn, *args)))"
+    return f"{what}, as df.lower(program) or fast.lower(*args) build"
 
 
 def _describe(plan: Plan, index: int) -> str:

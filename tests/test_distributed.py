@@ -218,6 +218,52 @@ def test_mismatched_collective_shapes_are_an_error_naming_the_collective():
     assert all("collective #0 differs" in m and "_c10d_functional.all_reduce" in m for m in messages), messages
 
 
+def _different_reduce_ops(rank, world):
+    op = "sum" if rank == 0 else "avg"
+    try:
+        df.jit(lambda x: df.distributed.all_reduce(x * 2, op=op))(torch.randn(4, 16))
+    except df.distributed.DistributedError as error:
+        return str(error)
+    return "no error"
+
+
+def test_collectives_that_differ_in_a_non_tensor_argument_show_the_argument():
+    results = _spawn(_different_reduce_ops)
+    assert all(ok for ok, _ in results), results
+    (_, on_rank_0), (_, on_rank_1) = results
+    assert "reduce_op is 'sum' on rank 0 but 'avg' on rank 1" in on_rank_0, on_rank_0
+    assert "reduce_op is 'avg' on rank 1 but 'sum' on rank 0" in on_rank_1, on_rank_1
+
+
+def _smaller_last_batch_on_rank_0(rank, world):
+    df.distributed.CHECK_TIMEOUT_S = 3
+    fn, params, optimizer, state = _mlp_training()
+
+    def train_step(params, state, x, y):
+        loss, grads = df.value_and_grad(lambda p: F.mse_loss(fn(p, x), y))(params)
+        params, state = optimizer.update(df.distributed.average(grads), state, params)
+        return params, state, loss
+
+    step = df.jit(train_step, donate_argnums=(0, 1))
+    for rows in (4, 3 if rank == 0 else 4):
+        try:
+            params, state, _ = step(params, state, torch.randn(rows, 32), torch.randn(rows, 16))
+        except df.distributed.DistributedError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_rank_that_retraces_alone_is_told_which_argument_differs():
+    results = _spawn(_smaller_last_batch_on_rank_0)
+    ok, message = results[0]
+    assert ok, message
+    assert "x is f32[3, 32] on rank 0 but f32[4, 32] on rank 1" in message, message
+    assert "y is f32[3, 16] on rank 0 but f32[4, 16] on rank 1" in message, message
+    assert "drop or pad the last batch" in message, message
+    # rank 1 replayed its plan and waited in the collective until rank 0 gave up: it fails, it does not hang
+    assert results[1][0] is False
+
+
 def _one_rank_missing(rank, world):
     if rank == 1:
         return "skipped"

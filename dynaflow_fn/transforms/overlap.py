@@ -1,13 +1,12 @@
 """`T.overlap`: run a Scheduler over the stage DAG and fix every node's stream and issue position.
 
-The schedule is checked before anything runs: every stage exactly once, after the stages it needs,
-on a declared stream. A program that was not partitioned is first cut by cost-model kind
-(collectives, GEMM-like work and memory-bound work become separate stages), which is the granularity
-NanoFlow overlaps at.
+See `overlap` for what it does and the strategies it takes.
 """
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 from ..errors import ScheduleError, TransformError
@@ -38,8 +37,8 @@ class OverlapPass(Pass):
         if self.comm_ctas is not None:
             program = _on_comm_group(program, self.comm_ctas)
         graph = StageGraph.from_program(program)
-        streams = tuple(self.scheduler.streams(graph))
-        issues = list(self.scheduler.schedule(graph))
+        streams = _as_list(self.scheduler.streams(graph), self.scheduler, "streams", "Stream objects")
+        issues = _as_list(self.scheduler.schedule(graph), self.scheduler, "schedule", "T.Issue objects")
         _check_schedule(graph, streams, issues, self.scheduler)
         stream_of = {issue.stage: issue.stream for issue in issues}
         order: dict[str, int] = {}
@@ -74,6 +73,14 @@ def _on_comm_group(program: Program, max_ctas: int) -> Program:
     return program.with_graph(graph_module)
 
 
+def _as_list(result: Any, scheduler: Scheduler, method: str, items: str) -> list[Any]:
+    """A Scheduler method's result as a list, or a ScheduleError if it returned no sequence."""
+    if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+        raise ScheduleError(f"{type(scheduler).__name__}.{method}() returned {reprlib.repr(result)}; it must return "
+                            f"a list of {items}")
+    return list(result)
+
+
 def _check_schedule(graph: StageGraph, streams: Sequence[Stream], issues: Sequence[Issue],
                     scheduler: Scheduler) -> None:
     name = type(scheduler).__name__
@@ -83,17 +90,24 @@ def _check_schedule(graph: StageGraph, streams: Sequence[Stream], issues: Sequen
                                 f"0, 1, ... in order; entry {position} is {stream!r}")
     issued: set[int] = set()
     for position, issue in enumerate(issues):
-        if not isinstance(issue, Issue) or not 0 <= issue.stage < len(graph.stages):
-            raise ScheduleError(f"{name} issued {issue!r} at position {position}, which names no stage")
+        if not isinstance(issue, Issue):
+            raise ScheduleError(f"{name}.schedule() returned {issue!r} at position {position}; it must return "
+                                f"T.Issue(stage index, stream index) objects")
+        if type(issue.stage) is not int or not 0 <= issue.stage < len(graph.stages):
+            raise ScheduleError(f"{name} issued {issue!r} at position {position}, which names no stage: Issue.stage "
+                                f"is a stage's index, 0 to {len(graph.stages) - 1}")
         stage = graph.stages[issue.stage]
         if issue.stage in issued:
             raise ScheduleError(f"{name} issued {stage} twice")
-        if not 0 <= issue.stream < len(streams):
-            raise ScheduleError(f"{name} put {stage} on stream {issue.stream}, but declared only "
-                                f"{len(streams)} streams in streams()")
+        if type(issue.stream) is not int or not 0 <= issue.stream < len(streams):
+            raise ScheduleError(f"{name} put {stage} on stream {issue.stream!r}, but declared only "
+                                f"{len(streams)} streams in streams(); Issue.stream is a stream's index")
         missing = sorted(stage.needs - issued)
         if missing:
             raise ScheduleError(f"{name} issued {stage} before {graph.stages[missing[0]]}, whose results it reads")
+        if not isinstance(issue.after, (tuple, list)) or any(type(s) is not int for s in issue.after):
+            raise ScheduleError(f"{name} issued {stage} with after={issue.after!r}; Issue.after is a tuple of the "
+                                f"indices of stages issued earlier")
         early = [s for s in issue.after if s not in issued]
         if early:
             raise ScheduleError(f"{name} issued {stage} after={list(issue.after)}, but stage {early[0]} is not "
@@ -105,15 +119,44 @@ def _check_schedule(graph: StageGraph, streams: Sequence[Stream], issues: Sequen
 
 
 def overlap(fn: Any = None, strategy: "str | Scheduler" = "roundrobin", comm_ctas: int | None = None) -> Any:
-    """Schedule the program's stages on streams with a strategy: "sequential", "roundrobin", "tbo",
-    "branches" or a `df.Scheduler`. Apply it last, after microbatch and partition.
+    """Fix the order in which the stages of `fn` (a function or a Program) are issued and the stream
+    each runs on, by a scheduling strategy. Returns the transformed function (or Program; with no
+    `fn`, a transform to apply later).
+
+    The stages come from `T.partition`; a program that was not partitioned is first cut by cost-model
+    kind (collectives, GEMM-like work and memory-bound work become separate stages, the granularity
+    NanoFlow overlaps at). The strategy sees the DAG of stages (each with its micro-batch, kind, tags
+    and cost estimate) and returns a total issue order with a stream for every stage. Lowering adds
+    an event wherever a stage reads the results of another stream, so the overlapped program computes
+    exactly what the sequential one does. Scheduling runs once, when the plan is built, never per call.
+
+    strategy:
+        "sequential"   one stream, in trace order: the reference every other schedule must equal.
+        "roundrobin"   NanoFlow style: the next ready stage of each micro-batch in turn, micro-batch i
+                       on compute stream i, collectives on a high-priority comm stream.
+        "tbo"          two-batch overlap: micro-batch 1 runs one stage behind micro-batch 0 (one's
+                       attention beside the other's MLP), paced so the offset holds in a CUDA graph.
+        "branches"     independent subgraphs of one batch (no micro-batches needed) on side streams.
+        a Scheduler    the built-ins with options (`T.RoundRobin(compute_streams=2)`, `T.TBO(offset=2,
+                       pace=False)`, `T.Branches(max_streams=2)`) or your own `df.Scheduler` subclass:
+                       override `pick` (the next ready stage and its stream) or `schedule` (the whole
+                       order), and `streams` (the streams it uses, with priorities).
+
+    The schedule is checked before anything runs: every stage exactly once, after the stages it reads
+    and the stages it is paced after, on a stream that `streams()` declares. A violation is a
+    ScheduleError naming the scheduler, the stage and what was expected.
 
     comm_ctas: run the collectives on a dedicated communicator limited to this many thread blocks
         (`df.distributed.comm_group`), and have the kernels that may run beside a collective leave as
         many SMs free (cuBLAS's SM carveout), so that the collective need not wait for a persistent
         GEMM to drain.
 
-    >>> step = T.overlap(step, strategy="tbo")
+    Apply overlap once and last, after microbatch and partition: the schedule it fixes is what
+    lowering builds the plan from.
+
+    >>> step = T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=[T.Region("attn")])
+    >>> fast = df.jit(T.overlap(step, strategy="tbo"))
+    >>> print(fast.lower(params, x))       # the Plan: streams, steps, events
     """
     if isinstance(fn, (str, Scheduler)):
         fn, strategy = None, fn

@@ -7,26 +7,21 @@ Rules name what should become a stage of its own, without touching model code:
     T.Region("attn")             blocks of `with df.region("attn")`
     T.Kind("comm")               nodes of a cost-model kind: "compute", "memory" or "comm"
 
-Walking each micro-batch in trace order, every match of a rule is cut out as its own stage (one
-stage per module call or region block; contiguous runs for Op and Kind), and the nodes between
-matches form the stages in between, as in DynaFlow's cut-around partitioning. A rule with
-`merge=True` puts all of its matches in one micro-batch into a single stage instead, which can make
-stages depend on each other in a cycle; that is reported with the nodes involved. Every node also
-gets a `kind` from the cost model, and each stage the tags of the rule that made it.
+See `partition` for how rules cut a program into stages.
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from torch import fx
 
 from .. import cost, ops
-from ..errors import TransformError
+from ..errors import InputError, TransformError, warn
 from ..program import NodeInfo, Program, info, op_name
 from ..regions import Scope
 from .base import Pass, apply_transform, record
@@ -40,11 +35,18 @@ class Rule:
     merge: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tags, str) or not all(isinstance(tag, str) for tag in self.tags):
+            raise InputError(f"{type(self).__name__}(tags=...) takes a set of strings, e.g. tags={{'attn'}}; "
+                             f"got {self.tags!r}")
         object.__setattr__(self, "tags", frozenset(self.tags))
 
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
         """None if the node does not match; else a key naming the match instance it belongs to."""
         raise NotImplementedError
+
+    def unmatched_hint(self, program: Program) -> str:
+        """Why the rule may have matched no node of `program`, and what the program has instead."""
+        return "check what its match() accepts"
 
     def default_tags(self) -> frozenset[str]:
         return frozenset()
@@ -55,10 +57,22 @@ class Rule:
 
 @dataclass(frozen=True)
 class Op(Rule):
+    """Ops whose printed name (`aten.mm`, `aten.add.Tensor`, `_c10d_functional.all_reduce`) matches
+    the regex `pattern` (re.search); each contiguous run of matches is one stage."""
+
     pattern: str
+    _regex: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "_regex", _compile("T.Op", self.pattern))
 
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
-        return "run" if re.search(self.pattern, op_name(node.target)) else None
+        return "run" if self._regex.search(op_name(node.target)) else None
+
+    def unmatched_hint(self, program: Program) -> str:
+        names = {op_name(node.target) for node in program.ops()}
+        return f"the pattern is searched (re.search) in printed op names (this program's ops: {_listing(names)})"
 
     def default_tags(self) -> frozenset[str]:
         return frozenset({"comm"} if re.search(self.pattern, "all_reduce all_gather reduce_scatter all_to_all")
@@ -70,14 +84,30 @@ class Op(Rule):
 
 @dataclass(frozen=True)
 class Module(Rule):
+    """Calls of a module: `target` is an `nn.Module` class (its subclasses match too) or a regex that
+    is searched in the module's qualified name (`layers.0.self_attn`) or matches its whole class
+    name. Each call is one stage."""
+
     target: type | str
+    _regex: re.Pattern | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.target, type) and issubclass(self.target, torch.nn.Module):
+            regex = None
+        elif isinstance(self.target, str):
+            regex = _compile("T.Module", self.target)
+        else:
+            raise InputError(f"T.Module takes an nn.Module subclass (T.Module(LlamaAttention)) or a regex on module "
+                             f"names (T.Module(r'layers\\.\\d+\\.mlp')); got {self.target!r}")
+        object.__setattr__(self, "_regex", regex)
 
     def _matches(self, scope: Scope) -> bool:
         if scope.kind != "module":
             return False
-        if isinstance(self.target, str):
-            return bool(re.search(self.target, scope.name)) or (
-                scope.module_type is not None and re.fullmatch(self.target, scope.module_type.__name__) is not None)
+        if self._regex is not None:
+            return bool(self._regex.search(scope.name)) or (
+                scope.module_type is not None and self._regex.fullmatch(scope.module_type.__name__) is not None)
         return scope.module_type is not None and issubclass(scope.module_type, self.target)
 
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
@@ -85,6 +115,15 @@ class Module(Rule):
             if self._matches(scope):
                 return scope.instance
         return None
+
+    def unmatched_hint(self, program: Program) -> str:
+        called = {str(scope) for scope in _scopes(program, "module")}
+        if self._regex is None:
+            what = f"no call of a {self.target.__name__} module (or a subclass) ran while tracing"
+        else:
+            what = ("the pattern is searched in module names (like layers.0.self_attn) and matched against whole "
+                    "class names")
+        return f"{what} (modules called: {_listing(called)})"
 
     def default_tags(self) -> frozenset[str]:
         return frozenset({self.target if isinstance(self.target, str) else self.target.__name__})
@@ -96,7 +135,18 @@ class Module(Rule):
 
 @dataclass(frozen=True)
 class Region(Rule):
+    """Blocks of `with df.region(name)` in model code; each block is one stage."""
+
     name: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.name, str):
+            raise InputError(f"T.Region takes the name given to df.region (a str), got {self.name!r}")
+
+    def unmatched_hint(self, program: Program) -> str:
+        seen = {scope.name for scope in _scopes(program, "region")}
+        return f"no `with df.region({self.name!r})` block ran while tracing (regions entered: {_listing(seen)})"
 
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
         for scope in node_info.scopes:
@@ -114,8 +164,34 @@ class Region(Rule):
 KINDS = ("compute", "memory", "comm")
 
 
+def _compile(rule: str, pattern: str) -> re.Pattern:
+    if not isinstance(pattern, str):
+        raise InputError(f"{rule} takes a regular expression (a str), got {pattern!r}")
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise TransformError(f"{rule}({pattern!r}) is not a valid regular expression: {error}. Escape characters "
+                             f"meant literally (re.escape, or a backslash in a raw string r'...')") from error
+
+
+def _scopes(program: Program, kind: str) -> list[Scope]:
+    return [scope for node in program.ops() for scope in info(node).scopes if scope.kind == kind]
+
+
+def _listing(names: set[str], limit: int = 12) -> str:
+    """`a, b, c` (sorted; at most `limit`, then how many more), or `none`."""
+    names = sorted(names)
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 @dataclass(frozen=True)
 class Kind(Rule):
+    """Nodes the cost model gives `kind` ("compute": GEMM-like, "memory": bandwidth-bound, "comm":
+    collectives); each contiguous run is one stage."""
+
     kind: str
 
     def __post_init__(self) -> None:
@@ -126,6 +202,10 @@ class Kind(Rule):
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
         return "run" if node_info.kind == self.kind else None
 
+    def unmatched_hint(self, program: Program) -> str:
+        kinds = {cost.node_cost(node).kind for node in program.ops()}
+        return f"the cost model finds no {self.kind} work in the program (kinds present: {_listing(kinds)})"
+
     def default_tags(self) -> frozenset[str]:
         return frozenset({self.kind})
 
@@ -135,9 +215,11 @@ class Kind(Rule):
 
 class PartitionPass(Pass):
     def __init__(self, rules: Sequence[Rule], warn_unmatched: bool = True):
+        if isinstance(rules, Rule) or not isinstance(rules, (list, tuple)):
+            raise InputError(f"partition takes a list of rules, e.g. rules=[T.Region('attn')]; got {rules!r}")
         for rule in rules:
             if not isinstance(rule, Rule):
-                raise TransformError(f"partition rules are T.Op, T.Module, T.Region or T.Kind; got {rule!r}")
+                raise InputError(f"partition rules are T.Op, T.Module, T.Region or T.Kind; got {rule!r}")
         self.rules = tuple(rules)
         self.warn_unmatched = warn_unmatched
 
@@ -152,8 +234,7 @@ class PartitionPass(Pass):
         stage_of, tags_of, matched = _assign_stages(nodes, kinds, self.rules)
         for rule, hits in zip(self.rules, matched):
             if not hits and self.warn_unmatched:
-                warnings.warn(f"partition rule {rule} matched no node of {program.name}; check its pattern "
-                              f"(op names print like aten.mm, module names like layers.0.self_attn)", stacklevel=3)
+                warn(f"partition rule {rule} matched no node of {program.name}: {rule.unmatched_hint(program)}")
         _check_acyclic(nodes, stage_of, tags_of)
         by_name = {node.name: (stage_of[node], tags_of[stage_of[node]], kinds[node]) for node in nodes}
 
@@ -287,9 +368,35 @@ def _check_acyclic(nodes: Sequence[fx.Node], stage_of: dict[fx.Node, int], tags:
 
 
 def partition(fn: Any = None, rules: Sequence[Rule] = ()) -> Any:
-    """Label each node with a stage (and tags) by rules; see the module docstring.
+    """Cut each micro-batch of `fn` (a function or a Program) into stages by `rules`: the units that
+    `T.overlap`'s Scheduler orders and puts on streams. Returns the transformed function (or Program;
+    with no `fn`, a transform to apply later).
+
+    Rules name what becomes a stage of its own, without touching model code:
+
+        T.Op(r"all_reduce")          ops whose printed name matches a regex (re.search)
+        T.Module(LlamaAttention)     calls of a module class (or a regex on its qualified name)
+        T.Region("attn")             blocks of `with df.region("attn")`
+        T.Kind("comm")               nodes of a cost-model kind: "compute", "memory" or "comm"
+
+    Walking each micro-batch in trace order, every match is cut out as its own stage: one stage per
+    module call or region block, one per contiguous run of matching ops for Op and Kind. The nodes
+    between matches form the stages in between (as in DynaFlow's cut-around partitioning). When
+    several rules match a node, the first in `rules` wins. Views move no data, so they join the
+    stage of a neighbour, and a collective's wait joins the collective's stage.
+
+    Each stage made by a rule gets the rule's `tags` (default: the op pattern, the module class or
+    path, the region name or the kind; "comm" for collectives) for Schedulers to read, and every
+    node a `kind` from the cost model. A rule with `merge=True` puts all its matches in one
+    micro-batch into a single stage instead; if other work sits between them the stages depend on
+    each other in a cycle, which is a TransformError naming the nodes.
+
+    A rule that matches no node warns, at the line that traced the program, with what the program
+    has instead (its op names, modules called or regions entered). Apply partition before overlap;
+    after it the schedule is fixed and partition is an error.
 
     >>> step = T.partition(step, rules=[T.Module(LlamaAttention), T.Op(r"all_reduce")])
+    >>> print(df.trace(step, params, x))       # each node's stage, tags and kind as comments
     """
     if isinstance(fn, (list, tuple)) and not rules:
         fn, rules = None, fn

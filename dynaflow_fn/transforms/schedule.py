@@ -18,6 +18,7 @@ one stage behind micro-batch 0) and `Branches` (independent subgraphs of one bat
 
 from __future__ import annotations
 
+import reprlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,6 +26,7 @@ from typing import Sequence
 from torch import fx
 
 from .. import cost
+from ..errors import InputError, ScheduleError
 from ..program import Program, Stream, info
 
 COMM_PRIORITY = -1
@@ -106,18 +108,46 @@ class Scheduler:
         """The whole issue order. The default asks `pick` for one ready stage at a time."""
         issued: set[int] = set()
         order: list[Issue] = []
+        streams = len(self.streams(graph))
         while len(order) < len(graph.stages):
             ready = graph.ready(issued)
-            stage, stream = self.pick(ready, graph, order)
+            stage, stream = self._checked_pick(self.pick(ready, graph, order), ready, issued, streams)
             order.append(Issue(stage.index, stream))
             issued.add(stage.index)
         return order
 
+    def _checked_pick(self, picked: object, ready: list[Stage], issued: set[int], streams: int) -> tuple[Stage, int]:
+        """`pick`'s answer if it is a ready stage and a declared stream; else a ScheduleError saying what
+        came back and what was expected."""
+        name = type(self).__name__
+        expected = (f"expected (stage, stream): one of the ready stages ({', '.join(str(s.index) for s in ready)}) "
+                    f"and the index of one of the {streams} streams that streams() declares")
+        if not isinstance(picked, (tuple, list)) or len(picked) != 2:
+            raise ScheduleError(f"{name}.pick returned {_shown(picked)}; {expected}")
+        stage, stream = picked
+        if not isinstance(stage, Stage):
+            raise ScheduleError(f"{name}.pick returned {_shown(stage)} as the stage; {expected}")
+        if stage.index not in {s.index for s in ready}:
+            waits_for = sorted(stage.needs - issued)
+            why = ("it was issued already" if stage.index in issued else
+                   f"it reads stage {waits_for[0]}, which is not issued yet" if waits_for else "it is not in the graph")
+            raise ScheduleError(f"{name}.pick returned {stage}, which is not ready ({why}); {expected}")
+        if type(stream) is not int or not 0 <= stream < streams:
+            raise ScheduleError(f"{name}.pick put {stage} on stream {_shown(stream)}; {expected}")
+        return stage, stream
+
     def pick(self, ready: list[Stage], graph: StageGraph, issued: list[Issue]) -> tuple[Stage, int]:
-        raise NotImplementedError(f"{type(self).__name__} must override pick() or schedule()")
+        """The next stage to issue, one of `ready` (stages whose inputs are all issued, in trace order),
+        and the index of the stream to issue it on. `issued` is the order so far."""
+        raise ScheduleError(f"{type(self).__name__} must override pick() or schedule()")
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+def _shown(value: object) -> str:
+    """A Scheduler's answer as a message shows it: a Stage by its summary, anything else by a short repr."""
+    return str(value) if isinstance(value, Stage) else reprlib.repr(value)
 
 
 class Sequential(Scheduler):
@@ -277,6 +307,8 @@ def resolve(strategy: "str | Scheduler") -> Scheduler:
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Scheduler):
         return strategy()
+    if not isinstance(strategy, str):
+        raise InputError(f"strategy takes a name ({', '.join(STRATEGIES)}) or a df.Scheduler, got {strategy!r}")
     if strategy in STRATEGIES:
         return STRATEGIES[strategy]()
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or pass a df.Scheduler")
