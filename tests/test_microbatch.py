@@ -195,13 +195,13 @@ class _Center(nn.Module):
 
 @pytest.mark.parametrize("fn, match", [
     (nn.Sequential(nn.Linear(3, 3), _Center()),
-     r"aten\.sub\.Tensor in 1 \(_Center\) combines a value mixed across the batch rows \(by aten\.mean\.dim in 1 "
-     r"\(_Center\)\) with per-row data"),
+     (r"aten\.sub\.Tensor in 1 \(_Center\) combines a value mixed across the batch rows \(by aten\.mean\.dim in 1 "
+      r"\(_Center\)\) with per-row data")),
     (lambda x: x.softmax(0), r"aten\._softmax works along the batch axis"),
     (lambda x: x @ x.T, r"aten\.mm multiplies rows of the batch with other rows"),
-    (lambda x: x / x.norm(), r"aten\.div\.Tensor combines a value mixed across the batch rows \(by "
-                             r"aten\.linalg_vector_norm\)"),
-])
+    (lambda x: x / x.norm(),
+     r"aten\.div\.Tensor combines a value mixed across the batch rows \(by aten\.linalg_vector_norm\)"),
+], ids=["centering-module", "softmax-over-batch", "rows-times-rows", "global-norm"])
 def test_ops_that_mix_the_rows_of_the_batch_warn(fn, match):
     if isinstance(fn, nn.Module):
         fn, params = df.pure(fn)
@@ -213,13 +213,14 @@ def test_ops_that_mix_the_rows_of_the_batch_warn(fn, match):
 
 
 @pytest.mark.parametrize("fn, out_axes, match", [
-    (lambda x: (x * 2, x.sum(0)), 0, r"out\[1\] is reduced over the batch rows \(by aten\.sum\.dim_IntList\), but "
-                                     r"out_axes concatenates it along axis 0.*\"mean\" or \"sum\""),
-    (lambda x: x.T * 2, 0, r"out has the batch rows along axis 1, but out_axes concatenates it along axis 0\. Give "
-                           r"it out_axes=1"),
+    (lambda x: (x * 2, x.sum(0)), 0,
+     (r"out\[1\] is reduced over the batch rows \(by aten\.sum\.dim_IntList\), but out_axes concatenates it along "
+      r"axis 0.*\"mean\" or \"sum\"")),
+    (lambda x: x.T * 2, 0,
+     r"out has the batch rows along axis 1, but out_axes concatenates it along axis 0\. Give it out_axes=1"),
     (lambda x: x.T.reshape(-1), 0, r"out interleaves the batch rows with another dimension"),
     (lambda x: x * 2, "mean", r"out has one row per batch row \(along axis 0\), but out_axes \"mean\" adds"),
-])
+], ids=["reduction-concatenated", "rows-on-another-axis", "rows-interleaved", "rows-averaged"])
 def test_outputs_merged_against_their_rows_warn(fn, out_axes, match):
     with pytest.warns(UserWarning, match=match):
         df.trace(T.microbatch(fn, num=2, out_axes=out_axes), torch.randn(6, 3))

@@ -7,7 +7,7 @@ known axis, and gives every value one of these states:
 
 - `None`: the value reads no row of the batch (parameters, constants, masks built from shapes);
 - `Rows(axis)`: row `b` of the batch lies along `axis` and depends only on row `b` of the inputs;
-- `Reduced(by)`: the value mixes rows of the batch, first at node `by` (a reduction over the batch
+- `Reduced(by)`: the value mixes rows of the batch, first at op `by` (a reduction over the batch
   axis, a matrix product contracting it, a pick of one row);
 - `UNKNOWN`: an op the analysis does not model read batch data; nothing downstream is judged.
 
@@ -47,9 +47,9 @@ class Rows:
 
 @dataclass(frozen=True)
 class Reduced:
-    """The value mixes rows of the batch; `by` is the node where they were first mixed."""
+    """The value mixes rows of the batch; `by` names the op where they were first mixed (see `describe`)."""
 
-    by: fx.Node
+    by: str
 
 
 class _Unknown:
@@ -138,7 +138,7 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
     if rule is None or any(isinstance(state, tuple) for state in inputs):
         return _each_result(node, UNKNOWN)
     if reduced:
-        return _report(node, flow, f"combines a value mixed across the batch rows (by {describe(reduced[0].by)}) "
+        return _report(node, flow, f"combines a value mixed across the batch rows (by {reduced[0].by}) "
                                    f"with per-row data")
     bound = ops.bind_arguments(target, node.args, node.kwargs)
     try:
@@ -175,6 +175,10 @@ class _Call:
 
     def result(self, state: State) -> State:
         return _each_result(self.node, state)
+
+    def reduced(self) -> Reduced:
+        """The state of a value this node makes by mixing rows of the batch."""
+        return Reduced(describe(self.node))
 
     def report(self, reason: str) -> State:
         return _report(self.node, self.flow, reason)
@@ -249,7 +253,7 @@ def _reduction(call: _Call) -> State:
     dims = call.dims("dim", rank)
     dims = list(range(rank)) if dims is None else dims
     if state.axis in dims:
-        return call.result(Reduced(call.node))
+        return call.result(call.reduced())
     keep = call.bound.get("keepdim", False)
     return call.result(_moved(state, state.axis if keep else state.axis - sum(d < state.axis for d in dims)))
 
@@ -320,7 +324,7 @@ def _select(call: _Call) -> State:
     state = call.state("self")
     dim = call.bound["dim"] % call.rank(call.bound["self"])
     if dim == state.axis:
-        return call.result(Reduced(call.node))
+        return call.result(call.reduced())
     return call.result(_moved(state, state.axis - (dim < state.axis)))
 
 
@@ -328,7 +332,7 @@ def _slice(call: _Call) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank()
     if dim == state.axis and call.shape()[dim] != call.shape(call.bound["self"])[dim]:
-        return call.result(Reduced(call.node))
+        return call.result(call.reduced())
     return call.result(state)
 
 
@@ -377,12 +381,12 @@ def _matmul(call: _Call, first: str, second: str, batched: bool) -> State:
         return None
     if len(roles) == 1:
         state, role = roles[0]
-        return Reduced(call.node) if role == "summed" else state
+        return call.reduced() if role == "summed" else state
     (a, a_role), (b, b_role) = roles
     if a_role == b_role == "shared":
         return _same([a, b])
     if a_role == b_role == "summed":
-        return Reduced(call.node) if a == _moved(b, a.axis) else UNKNOWN
+        return call.reduced() if a == _moved(b, a.axis) else UNKNOWN
     return call.report("multiplies rows of the batch with other rows of the batch (a matrix product of two "
                        "batch operands)")
 
@@ -393,7 +397,7 @@ def _with_bias(call: _Call, product: State, rank: int) -> State:
     if not isinstance(bias, Rows) or product is UNKNOWN:
         return product
     if isinstance(product, Reduced):
-        return call.report(f"combines a value mixed across the batch rows (by {describe(product.by)}) with "
+        return call.report(f"combines a value mixed across the batch rows (by {product.by}) with "
                            f"per-row data")
     bias = _moved(bias, bias.axis + rank - call.rank(call.bound["self"]))
     return bias if product is None else _same([product, bias])
@@ -432,7 +436,7 @@ def _embedding(call: _Call) -> State:
 
 def _embedding_backward(call: _Call) -> State:
     """The gradient of an embedding table sums the rows of the batch."""
-    return call.result(Reduced(call.node))
+    return call.result(call.reduced())
 
 
 def _convolution(call: _Call) -> State:
@@ -490,7 +494,7 @@ def _attention(call: _Call) -> State:
 def _loss(call: _Call) -> State:
     """mse_loss, l1_loss, ...: elementwise over (self, target), then reduced unless reduction is "none" (0)."""
     if call.bound.get("reduction", 1) != 0:
-        return call.result(Reduced(call.node))
+        return call.result(call.reduced())
     return _pointwise(call)
 
 

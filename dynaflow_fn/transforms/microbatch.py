@@ -267,21 +267,20 @@ def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, *
             warnings.warn(text, UserWarning, stacklevel=2)
     results, start = [], 0
     for index, size in enumerate(chunk_sizes):
-        def slice_leaf(leaf: Any, axis: int | None) -> Any:
-            return leaf if axis is None else leaf.narrow(axis, start, size)
-
         if recorder is None:
-            results.append(_call_slice(body, tree, leaves, axes, slice_leaf))
+            results.append(_call_slice(body, tree, leaves, axes, start, size))
         else:
             with recorder.scope("microbatch", f"mb{index}", index=index):
-                results.append(_call_slice(body, tree, leaves, axes, slice_leaf))
+                results.append(_call_slice(body, tree, leaves, axes, start, size))
         start += size
     return _merge(p.out_axes, results, chunk_sizes, facts, report)
 
 
 def _call_slice(body: Callable[..., Any], tree: Any, leaves: Sequence[Any], axes: Sequence[int | None],
-                slice_leaf: Callable[[Any, Any], Any]) -> Any:
-    call_args, call_kwargs = optree.tree_unflatten(tree, [slice_leaf(leaf, axis) for leaf, axis in zip(leaves, axes)])
+                start: int, size: int) -> Any:
+    """Run `body` on rows `start:start + size` of the split leaves (`narrow` views)."""
+    sliced = [leaf if axis is None else leaf.narrow(axis, start, size) for leaf, axis in zip(leaves, axes)]
+    call_args, call_kwargs = optree.tree_unflatten(tree, sliced)
     return body(*call_args, **call_kwargs)
 
 

@@ -33,7 +33,7 @@ from torch import fx
 from ..program import Program
 from ..trace import trace_function
 from ..tree import TensorSpec
-from .batch_rows import Reduced, Rows, State, describe, follow_rows, reads_values
+from .batch_rows import Reduced, Rows, State, follow_rows, reads_values
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
                     "else than the unsplit one.")
@@ -94,7 +94,7 @@ def merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None:
     if isinstance(axis, int) and rank:
         axis %= rank
     if isinstance(state, Reduced) and isinstance(axis, int):
-        return (f"microbatch: {where} is reduced over the batch rows (by {describe(state.by)}), but out_axes "
+        return (f"microbatch: {where} is reduced over the batch rows (by {state.by}), but out_axes "
                 f"concatenates it along axis {axis}: that gives one reduction per micro-batch, not one over the "
                 f"batch. Give it out_axes \"mean\" or \"sum\" (a loss: \"mean\") to reduce across micro-batches.")
     if not isinstance(state, Rows):
