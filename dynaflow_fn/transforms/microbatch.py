@@ -208,7 +208,8 @@ def _split_axes(in_axes: Any, args: tuple, paths: Sequence[tuple], leaves: Seque
                                  f"by keyword are split along axis 0. Pass it positionally, with None for it in "
                                  f"in_axes to share it across micro-batches.")
         if not -leaf.dim() <= axis < leaf.dim():
-            hint = "" if explicit else f" {_NOT_BATCHED_HINT}"
+            broadcast = not explicit and (len(path) > 2 or len(args) > 1)   # onto this leaf among others
+            hint = f" {_NOT_BATCHED_HINT}" if broadcast else ""
             raise TransformError(f"microbatch: in_axes gives axis {axis} for {where}, which has {leaf.dim()} "
                                  f"dimensions (shape {list(leaf.shape)}).{hint}")
         axes.append(axis % leaf.dim())

@@ -131,7 +131,8 @@ def _trace_aside(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequ
     def run() -> None:
         _aside.active = True
         # the devices that factory calls without a device use are per thread: take the caller's
-        torch.set_default_device(default_device)
+        if default_device != torch.device("cpu"):
+            torch.set_default_device(default_device)
         if cuda_device is not None:
             torch.cuda.set_device(cuda_device)
         try:
