@@ -33,6 +33,12 @@ class Pass:
         """Passes that change what gets traced (microbatch) return the new body; the others None."""
         return None
 
+    def check_call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Check the arguments of a call of the transformed function as the caller passed them.
+
+        Tracing sees only shapes and dtypes; a pass that needs more (microbatch asks which tensors are
+        nn.Parameters) raises here, before the call runs or is traced. The default accepts everything."""
+
 
 class Transformed:
     """A function with transforms attached. Calling it runs eagerly; tracing it applies the passes."""
@@ -43,6 +49,7 @@ class Transformed:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_call(args, kwargs)
         body = self.fn
         for p in self.passes:
             body = p.wrap_body(body) or body
@@ -50,6 +57,7 @@ class Transformed:
 
     def __dynaflow_trace__(self, *args: Any, **kwargs: Any) -> Program:
         """Trace: passes that rewrite the body before the first Program pass are traced directly."""
+        self._check_call(args, kwargs)
         body, leading = self.fn, 0
         for p in self.passes:
             wrapped = p.wrap_body(body)
@@ -61,6 +69,10 @@ class Transformed:
         for p in self.passes[leading:]:
             program = p.apply(program)
         return program
+
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
+        for p in self.passes:
+            p.check_call(self.fn, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<transformed {getattr(self.fn, '__name__', 'fn')}: {' -> '.join(p.describe() for p in self.passes)}>"

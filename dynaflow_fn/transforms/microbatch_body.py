@@ -1,0 +1,215 @@
+"""What one micro-batch body does with the split inputs, read from a trace of it on abstract values.
+
+`T.microbatch` merges each output leaf as `out_axes` says. Two questions about the body decide
+whether that merge gives the unsplit function's result, and the values alone cannot answer them:
+
+- Which outputs read no split input (a `w * 2` returned beside the batch outputs)? Every
+  micro-batch computes the same value, the unsplit function's, so the merge takes the first
+  micro-batch's value instead of concatenating `num` copies or adding them up. An output that reads
+  no split input but is built from the micro-batch's size (`torch.ones(x.shape[0])`) differs from
+  the unsplit one, so the body is traced at the micro-batch size and at the full size, and an output
+  is *shared* only when its recipe (the ops, arguments, constants and shapes it is computed from) is
+  the same in both traces.
+- Which ops couple the rows of the batch (`batch_rows`), and which inputs the body updates in
+  place (the update then runs once per micro-batch): micro-batching changes what those compute.
+
+The body is traced on a thread of its own. A new thread has no tracing modes active, so this works
+also while an outer trace is running (the micro-batched function being traced, or called inside a
+traced function), and the eager call and the traced one reach the same answer. A body that cannot
+be traced alone (Python control flow on tensor values, which the eager call runs fine) is not
+studied: nothing is shared and nothing is reported.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+from torch import fx
+
+from ..program import Program
+from ..trace import trace_function
+from ..tree import TensorSpec
+from .batch_rows import Reduced, Rows, State, follow_rows, reads_values
+
+_CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
+                    "else than the unsplit one.")
+
+
+@dataclass(frozen=True)
+class BodyFacts:
+    """shared: output paths (`out[1]`) whose value is the same in every micro-batch and the unsplit one's.
+    rows: per output path, how its rows relate to the batch (a `batch_rows` state).
+    warnings: ops and in-place updates whose meaning micro-batching changes, as warning texts."""
+
+    shared: frozenset[str] = frozenset()
+    rows: dict[str, State] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+
+def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any], paths: Sequence[str],
+               split_axes: Sequence[int | None], rows: int) -> BodyFacts:
+    """Trace `body` on one micro-batch of `rows` rows and read off its BodyFacts.
+
+    `leaves` flatten the call's (args, kwargs) (None as a leaf), `paths` name them as trace does, and
+    `split_axes` gives each split tensor leaf its batch axis (None for the others).
+    """
+    micro = [_narrowed(leaf, axis, rows) for leaf, axis in zip(leaves, split_axes)]
+    program = _trace_aside(body, tree, micro)
+    if program is None:
+        return BodyFacts()
+    split_paths = {path: axis for path, axis in zip(paths, split_axes) if axis is not None}
+    split_nodes = {spec.node_name: split_paths[spec.path] for spec in program.inputs
+                   if spec.is_tensor and spec.path in split_paths}
+    outputs = _output_nodes(program)
+    independent = {path: node for path, node in outputs.items()
+                   if not any(n.op == "placeholder" and n.name in split_nodes for n in _ancestors(node))}
+    shared = frozenset()
+    if independent:
+        full = _trace_aside(body, tree, [_abstract(leaf) for leaf in leaves])
+        if full is not None:
+            full_outputs = _output_nodes(full)
+            shared = frozenset(path for path, node in independent.items()
+                               if path in full_outputs and _recipe(program, node) == _recipe(full, full_outputs[path]))
+    if rows < 2:
+        return BodyFacts(shared)
+    flow = follow_rows(program.graph, split_nodes, rows)
+    texts = [f"microbatch: {finding}. {_CHANGES_MEANING} Put train-mode layers such as BatchNorm in eval mode "
+             f"(model.eval()), or compute such values outside the micro-batched function."
+             for finding in flow.findings]
+    updated = [spec.path for spec in program.inputs if spec.node_name in _written_inputs(program)
+               and spec.node_name not in split_nodes]
+    if updated:
+        texts.append(f"microbatch: the function updates {', '.join(updated)} in place; micro-batched, the update "
+                     f"runs once per micro-batch instead of once per call. Keep that update outside the "
+                     f"micro-batched function (for BatchNorm's running statistics: eval mode).")
+    return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts))
+
+
+def merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None:
+    """Why merging an output of this state and rank with this `out_axes` leaf differs from the unsplit result."""
+    if isinstance(axis, int) and rank:
+        axis %= rank
+    if isinstance(state, Reduced) and isinstance(axis, int):
+        return (f"microbatch: {where} is reduced over the batch rows (by {state.by}), but out_axes "
+                f"concatenates it along axis {axis}: that gives one reduction per micro-batch, not one over the "
+                f"batch. Give it out_axes \"mean\" or \"sum\" (a loss: \"mean\") to reduce across micro-batches.")
+    if not isinstance(state, Rows):
+        return None
+    if axis in ("sum", "mean"):
+        return (f"microbatch: {where} has one row per batch row (along axis {state.axis}), but out_axes "
+                f"\"{axis}\" adds the micro-batches' rows together. Give it out_axes={state.axis} to concatenate "
+                f"them.")
+    if isinstance(axis, int) and state.outer != 1:
+        return (f"microbatch: {where} interleaves the batch rows with another dimension in axis {state.axis}, so "
+                f"concatenating micro-batches along it puts rows out of order. Return it with the batch as its "
+                f"own (or outermost) dimension.")
+    if isinstance(axis, int) and axis != state.axis:
+        return (f"microbatch: {where} has the batch rows along axis {state.axis}, but out_axes concatenates it "
+                f"along axis {axis}. Give it out_axes={state.axis}.")
+    return None
+
+
+_aside = threading.local()
+
+
+def studying() -> bool:
+    """Whether this thread is tracing a body for `study_body` (whose findings the real trace reports)."""
+    return getattr(_aside, "active", False)
+
+
+def _trace_aside(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any]) -> Program | None:
+    """Trace `body` on a fresh thread; None if it cannot be traced on its own."""
+    args, kwargs = optree.tree_unflatten(tree, list(leaves))
+    traced: list[Program] = []
+    default_device = torch.get_default_device()
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        _aside.active = True
+        # the devices that factory calls without a device use are per thread: take the caller's
+        if default_device != torch.device("cpu"):
+            torch.set_default_device(default_device)
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
+        try:
+            traced.append(trace_function(body, args, kwargs))
+        except Exception:     # not studied: see the module docstring
+            pass
+
+    thread = threading.Thread(target=run, name="dynaflow-microbatch-study", daemon=True)
+    thread.start()
+    thread.join()
+    return traced[0] if traced else None
+
+
+def _abstract(leaf: Any) -> Any:
+    return TensorSpec.of(leaf) if isinstance(leaf, (torch.Tensor, TensorSpec)) else leaf
+
+
+def _narrowed(leaf: Any, axis: int | None, rows: int) -> Any:
+    """The abstract value of `leaf.narrow(axis, 0, rows)`: same strides, `rows` along the axis."""
+    spec = _abstract(leaf)
+    if axis is None or not isinstance(spec, TensorSpec):
+        return spec
+    shape = list(spec.shape)
+    shape[axis] = rows
+    return TensorSpec(tuple(shape), spec.stride, spec.dtype, spec.device)
+
+
+def _output_nodes(program: Program) -> dict[str, fx.Node]:
+    returned = program.output_node().args[0]
+    return {o.path: returned[o.tensor_index] for o in program.outputs if o.tensor_index is not None}
+
+
+def _written_inputs(program: Program) -> set[str]:
+    """Placeholders the function updates in place (traced as a final `copy_` into them)."""
+    return {node.args[0].name for node in program.ops()
+            if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder"}
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values `node` is computed from, itself included, in graph order."""
+    seen, stack = {node}, [node]
+    while stack:
+        for source in reads_values(stack.pop()):
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _recipe(program: Program, output: fx.Node) -> list[tuple]:
+    """How `output` is computed, comparable across traces: per node its op, arguments and result type."""
+    nodes = _ancestors(output)
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def key(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            # a node whose values are not read (the tensor of `zeros_like`): only its dtype and device count
+            return ("node", index[value]) if value in index else ("like", value.meta["val"].dtype, value.meta["val"].device)
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(key(v) for v in value))
+        if isinstance(value, dict):
+            return tuple(sorted((k, key(v)) for k, v in value.items()))
+        if isinstance(value, torch.Tensor):
+            return _tensor_key(value)
+        return value
+
+    recipe = []
+    for node in nodes:
+        if node.op == "get_attr":
+            constant = getattr(program.graph_module, node.target)
+            recipe.append(("constant", _tensor_key(constant), constant.tolist())
+                          if isinstance(constant, torch.Tensor) else ("constant", constant))
+        else:
+            recipe.append((node.op, node.target, key(node.args), key(node.kwargs), key(node.meta.get("val"))))
+    return recipe
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    return ("tensor", tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)

@@ -1,0 +1,323 @@
+"""T.microbatch never silently changes what a function computes: it equals the unsplit function, or
+it says why not (an error naming the argument, or a warning naming the op)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dynaflow_fn as df
+from dynaflow_fn import transforms as T
+from dynaflow_fn.transforms import microbatch_body
+from models import MLP, Block, ConvNet, TwoBranch, llama_logits, tiny_llama
+
+
+def _all_ways(step, *args):
+    """The micro-batched function called eagerly, through its traced Program, and jitted."""
+    return {"eager": step(*args), "program": df.trace(step, *args)(*args), "jit": df.jit(step)(*args)}
+
+
+def _microbatch_warnings(record):
+    return [str(w.message) for w in record if str(w.message).startswith("microbatch")]
+
+
+@pytest.fixture
+def no_microbatch_warnings():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        yield
+    assert _microbatch_warnings(record) == []
+
+
+# --- 1. in_axes and parameters -----------------------------------------------------------------------
+
+
+def test_default_in_axes_refuses_to_split_parameters():
+    model = nn.Linear(4, 4)           # every parameter has 4 rows, as does the batch: splitting them "fits"
+    fn, params = df.pure(model)
+    x = torch.randn(4, 4)
+    step = T.microbatch(fn, num=2)
+    match = r"splits params\['(weight|bias)'\] \(and 1 more parameters\) along axis 0, but it is an nn\.Parameter.*" \
+            r"in_axes=\(None, 0\)"
+    with pytest.raises(df.TransformError, match=match):
+        step(params, x)
+    with pytest.raises(df.TransformError, match=match):
+        df.trace(step, params, x)
+    with pytest.raises(df.TransformError, match=match):
+        df.jit(step)(params, x)
+    torch.testing.assert_close(T.microbatch(fn, num=2, in_axes=(None, 0))(params, x), model(x))
+
+
+def test_a_parameter_is_split_when_in_axes_reaches_its_own_leaf():
+    def scaled(params, x):
+        return (x * params["scale"]) @ params["w"]
+
+    params = {"scale": nn.Parameter(torch.randn(6, 3)), "w": nn.Parameter(torch.randn(3, 3))}
+    x = torch.randn(6, 3)
+    with torch.no_grad():
+        expected = scaled(params, x)
+        for name, got in _all_ways(T.microbatch(scaled, num=2, in_axes=({"scale": 0, "w": None}, 0)), params, x).items():
+            torch.testing.assert_close(got, expected, msg=name)
+    with pytest.raises(df.TransformError, match=r"in_axes=\(0, 0\) splits params\['scale'\].*pass in_axes=\(None, 0\)"):
+        T.microbatch(scaled, num=2, in_axes=(0, 0))(params, x)
+
+
+def test_a_parameter_passed_by_keyword_is_refused():
+    def f(x, w):
+        return x @ w
+
+    with pytest.raises(df.TransformError, match=r"w is an nn\.Parameter passed by keyword.*positionally"):
+        T.microbatch(f, num=2)(torch.randn(4, 3), w=nn.Parameter(torch.randn(3, 3)))
+
+
+def test_split_inputs_that_disagree_on_the_batch_size_point_at_in_axes():
+    def f(w, x):
+        return x @ w
+
+    with pytest.raises(df.TransformError, match=r"w along axis 0 \(size 5\), x along axis 0 \(size 6\)\. .*"
+                                                 r"in_axes=\(None, 0\) for fn\(params, x\)"):
+        df.trace(T.microbatch(f, num=2), torch.randn(5, 3), torch.randn(6, 5))
+
+
+def test_a_long_disagreement_lists_a_few_inputs_per_size():
+    params = {f"w{i}": torch.randn(5, 5) for i in range(6)}
+    with pytest.raises(df.TransformError, match=r"params\['w0'\] along axis 0 \(size 5\), params\['w1'\] along axis 0 "
+                                                 r"\(size 5\), x along axis 0 \(size 8\) and 4 more\."):
+        df.trace(T.microbatch(lambda params, x: x, num=2), params, torch.randn(8, 5))
+
+
+def test_a_broadcast_axis_on_a_scalar_points_at_in_axes():
+    with pytest.raises(df.TransformError, match=r"axis 0 for scale, which has 0 dimensions.*in_axes=\(None, 0\)"):
+        df.trace(T.microbatch(lambda scale, x: x * scale, num=2), torch.randn(()), torch.randn(4))
+
+
+def test_in_axes_of_the_wrong_length_says_one_entry_per_argument():
+    with pytest.raises(df.TransformError, match=r"in_axes=\(None, 0, 0\) does not match the positional arguments.*"
+                                                 r"one entry per argument \(a tuple of 2\)"):
+        df.trace(T.microbatch(lambda w, x: x * w, num=2, in_axes=(None, 0, 0)), torch.randn(3), torch.randn(4, 3))
+
+
+# --- 2. outputs that read no split input -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [8, 7])
+def test_outputs_that_read_no_split_input_equal_the_unsplit_value(batch):
+    def f(w, x):
+        return {"rows": x @ w, "double": w * 2, "total": w.sum(), "norm": w.norm(), "zeros": x.new_zeros(3)}
+
+    w, x = torch.randn(5, 3), torch.randn(batch, 5)
+    step = T.microbatch(f, num=3, in_axes=(None, 0),
+                        out_axes={"rows": 0, "double": 0, "total": "sum", "norm": "mean", "zeros": 0})
+    expected = f(w, x)
+    ways = _all_ways(step, w, x)
+    for name, got in ways.items():
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], msg=f"{name} {key}")
+    for key in expected:
+        torch.testing.assert_close(ways["jit"][key], ways["eager"][key], rtol=0, atol=0)
+
+
+def test_outputs_built_from_the_batch_size_are_merged_as_batch_outputs():
+    def f(x):
+        return torch.ones(x.shape[0]), torch.tensor(float(x.shape[0])), torch.zeros_like(x)
+
+    x = torch.randn(6, 2)
+    expected = f(x)
+    for name, got in _all_ways(T.microbatch(f, num=3, out_axes=(0, "sum", 0)), x).items():
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, msg=name)
+
+
+def test_a_micro_batched_function_inside_a_traced_function_merges_the_same_way():
+    def f(w, x):
+        return x @ w, w * 2
+
+    step = T.microbatch(f, num=2, in_axes=(None, 0))
+
+    def outer(w, x):
+        rows, double = step(w, x)
+        return rows.relu(), double + 1
+
+    w, x = torch.randn(5, 3), torch.randn(4, 5)
+    expected = (torch.relu(x @ w), w * 2 + 1)
+    for name, got in {"eager": outer(w, x), "jit": df.jit(outer)(w, x)}.items():
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, msg=name)
+
+
+def test_the_body_is_studied_on_the_callers_default_device():
+    def f(w, x):
+        return x @ w, w * 2 + torch.ones(w.shape)       # torch.ones on the default device
+
+    with torch.device("meta"):
+        w, x = torch.randn(5, 3), torch.randn(4, 5)
+        program = df.trace(T.microbatch(f, num=2, in_axes=(None, 0)), w, x)
+    assert [list(n.meta["val"].shape) for n in program.output_node().args[0]] == [[4, 3], [5, 3]]
+
+
+def test_the_body_is_studied_once_per_input_signature(monkeypatch):
+    traced = []
+    original = microbatch_body.trace_function
+    monkeypatch.setattr(microbatch_body, "trace_function", lambda *a, **k: traced.append(a[0]) or original(*a, **k))
+    step = T.microbatch(lambda w, x: (x @ w, w * 2), num=2, in_axes=(None, 0))
+    w = torch.randn(5, 3)
+    for _ in range(3):
+        step(w, torch.randn(4, 5))
+    assert len(traced) == 2          # the micro-batch body and the unsplit body, for the output reading only w
+    step(w, torch.randn(6, 5))
+    assert len(traced) == 4
+
+
+# --- 3. ops that couple the rows of the batch ----------------------------------------------------------
+
+
+def test_train_mode_batch_norm_warns_and_eval_mode_does_not():
+    model = ConvNet()
+    fn, params = df.pure(model)
+    step = T.microbatch(fn, num=2, in_axes=(None, 0))
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.warns(UserWarning, match=r"aten\.\w*batch_norm\w* in bn \(BatchNorm2d\) is batch norm in train "
+                                         r"mode.*eval mode"):
+        df.trace(step, params, x)
+    model.eval()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(step)(params, x)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, model(x))
+
+
+class _Center(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("fn, match", [
+    (nn.Sequential(nn.Linear(3, 3), _Center()),
+     (r"aten\.sub\.Tensor in 1 \(_Center\) combines a value mixed across the batch rows \(by aten\.mean\.dim in 1 "
+      r"\(_Center\)\) with per-row data")),
+    (lambda x: x.softmax(0), r"aten\._softmax works along the batch axis"),
+    (lambda x: x @ x.T, r"aten\.mm multiplies rows of the batch with other rows"),
+    (lambda x: x / x.norm(),
+     r"aten\.div\.Tensor combines a value mixed across the batch rows \(by aten\.linalg_vector_norm\)"),
+], ids=["centering-module", "softmax-over-batch", "rows-times-rows", "global-norm"])
+def test_ops_that_mix_the_rows_of_the_batch_warn(fn, match):
+    if isinstance(fn, nn.Module):
+        fn, params = df.pure(fn)
+        step, args = T.microbatch(fn, num=2, in_axes=(None, 0)), (params, torch.randn(6, 3))
+    else:
+        step, args = T.microbatch(fn, num=2), (torch.randn(6, 3),)
+    with pytest.warns(UserWarning, match=match):
+        df.trace(step, *args)
+
+
+@pytest.mark.parametrize("fn, out_axes, match", [
+    (lambda x: (x * 2, x.sum(0)), 0,
+     (r"out\[1\] is reduced over the batch rows \(by aten\.sum\.dim_IntList\), but out_axes concatenates it along "
+      r"axis 0.*\"mean\" or \"sum\"")),
+    (lambda x: x.T * 2, 0,
+     r"out has the batch rows along axis 1, but out_axes concatenates it along axis 0\. Give it out_axes=1"),
+    (lambda x: x.T.reshape(-1), 0, r"out interleaves the batch rows with another dimension"),
+    (lambda x: x * 2, "mean", r"out has one row per batch row \(along axis 0\), but out_axes \"mean\" adds"),
+], ids=["reduction-concatenated", "rows-on-another-axis", "rows-interleaved", "rows-averaged"])
+def test_outputs_merged_against_their_rows_warn(fn, out_axes, match):
+    with pytest.warns(UserWarning, match=match):
+        df.trace(T.microbatch(fn, num=2, out_axes=out_axes), torch.randn(6, 3))
+
+
+@pytest.mark.parametrize("fn, out_axes", [(lambda x: x.reshape(-1) * 2, 0), (lambda x: x.T * 2, -1)])
+def test_outputs_merged_along_their_rows_do_not_warn(fn, out_axes, no_microbatch_warnings):
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x), fn(x))
+
+
+def test_an_in_place_update_of_a_shared_input_warns():
+    def count(calls, x):
+        calls.add_(1)
+        return x * 2
+
+    with pytest.warns(UserWarning, match=r"updates calls in place; micro-batched, the update runs once per "
+                                         r"micro-batch"):
+        df.trace(T.microbatch(count, num=2, in_axes=(None, 0)), torch.zeros(()), torch.randn(4))
+
+
+def test_gradient_accumulation_with_a_mean_loss_does_not_warn():
+    fn, params = df.pure(Block())
+
+    def loss_fn(params, x):
+        return fn(params, x).square().mean()
+
+    x = torch.randn(4, 8, 32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loss, grads = df.jit(T.microbatch(df.value_and_grad(loss_fn), num=2, in_axes=(None, 0), out_axes="mean"))(params, x)
+        assert _microbatch_warnings(record) == []
+        # the same gradients concatenated instead of averaged are reduced values merged wrongly
+        df.trace(T.microbatch(df.value_and_grad(loss_fn), num=2, in_axes=(None, 0), out_axes=("mean", 0)), params, x)
+    assert any("out[1]['mlp.0.weight'] is reduced over the batch rows" in text for text in _microbatch_warnings(record))
+    full_loss, full_grads = df.value_and_grad(loss_fn)(params, x)
+    torch.testing.assert_close(loss, full_loss)
+    for name in full_grads:
+        torch.testing.assert_close(grads[name], full_grads[name])
+
+
+def test_mse_gradient_accumulation_does_not_warn(no_microbatch_warnings):
+    fn, params = df.pure(MLP())
+    params = {k: v.detach() for k, v in params.items()}
+
+    def loss_fn(params, x, y):
+        return nn.functional.mse_loss(fn(params, x), y)
+
+    step = T.microbatch(df.value_and_grad(loss_fn), num=4, in_axes=(None, 0, 0), out_axes="mean")
+    df.trace(step, params, torch.randn(8, 32), torch.randn(8, 16))
+
+
+@pytest.mark.parametrize("name", ["mlp", "block", "two-branch", "llama"])
+def test_the_models_the_suite_micro_batches_do_not_warn(name, no_microbatch_warnings):
+    if name == "llama":
+        fn, params = llama_logits(tiny_llama())
+        args = (torch.randint(0, 128, (4, 10)),)
+    else:
+        model = {"mlp": MLP, "block": Block, "two-branch": TwoBranch}[name]()
+        fn, params = df.pure(model)
+        args = {"mlp": (torch.randn(6, 32),), "block": (torch.randn(4, 8, 32),),
+                "two-branch": (torch.randn(6, 32), torch.randn(6, 32))}[name]
+    step = T.microbatch(fn, num=2, in_axes=(None,) + (0,) * len(args))
+    torch.testing.assert_close(df.jit(step)(params, *args), fn(params, *args))
+
+
+# --- 4. keyword tensors ------------------------------------------------------------------------------
+
+
+def test_keyword_tensors_split_along_axis_0():
+    def f(x, bias):
+        return x + bias
+
+    x, bias = torch.randn(6, 3), torch.randn(6, 3)
+    for name, got in {"eager": T.microbatch(f, num=2)(x, bias=bias),
+                      "jit": df.jit(T.microbatch(f, num=2))(x, bias=bias)}.items():
+        torch.testing.assert_close(got, x + bias, msg=name)
+
+
+def test_a_keyword_tensor_that_is_not_batched_says_pass_it_positionally():
+    def f(x, mask):
+        return x * mask
+
+    with pytest.raises(df.TransformError, match=r"x along axis 0 \(size 6\), mask along axis 0 \(size 3\)\. mask is "
+                                                 r"passed by keyword.*pass it positionally with an in_axes entry"):
+        df.trace(T.microbatch(f, num=2), torch.randn(6, 3), mask=torch.randn(3))
+    with pytest.raises(df.TransformError, match=r"mask is passed by keyword and has no dimensions.*positionally"):
+        df.trace(T.microbatch(f, num=2), torch.randn(6, 3), mask=torch.randn(()))
+    x, mask = torch.randn(6, 3), torch.randn(3)
+    torch.testing.assert_close(T.microbatch(f, num=2, in_axes=(0, None))(x, mask), x * mask)
+
+
+# --- 5. the docstring ---------------------------------------------------------------------------------
+
+
+def test_help_explains_the_conventions():
+    doc = " ".join(T.microbatch.__doc__.split())
+    for phrase in ["in_axes=(None, 0)", "nn.Parameter", "passed by keyword are split along axis 0", '"mean"',
+                   "torch.tensor_split", "reads no split input", "eval mode", ">>> step = T.microbatch("]:
+        assert phrase in doc, phrase
