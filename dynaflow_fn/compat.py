@@ -22,7 +22,7 @@ __all__ = [
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback", "MetaKernelRejection",
-    "quiet_meta_failures",
+    "quiet_meta_failures", "outside_current_trace",
 ]
 
 # --- fake tensors and make_fx ---------------------------------------------------------------------
@@ -85,6 +85,17 @@ class FakeTensorModeWithFallback(FakeTensorMode):
             return run_real(self, func, flat_args, args_spec, rejected)
         except Exception as real_error:
             raise MetaKernelRejection(func, str(real_error), confirmed=real_device) from rejected
+
+
+@contextlib.contextmanager
+def outside_current_trace() -> Iterator[None]:
+    """Run a block with no dispatch mode of the current thread active (the fake-tensor and proxy modes
+    of a make_fx trace in progress), so that it can trace a function of its own; the modes come back
+    after it. torch steps out of a trace this way to run real computations inside one."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 @contextlib.contextmanager

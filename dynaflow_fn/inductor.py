@@ -24,7 +24,6 @@ Runs with the same code and input layouts (every layer of a stack, every micro-b
 from __future__ import annotations
 
 import operator
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -33,6 +32,7 @@ from torch import fx
 
 from . import ops
 from .compat import OpOverload, compile_with_inductor
+from .errors import warn
 from .lower import setup_nodes
 from .program import NodeInfo, Program, info, op_name
 from .transforms.base import Pass, record
@@ -91,8 +91,8 @@ class InductorPass(Pass):
                 return compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
         except Exception as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            warnings.warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
-                          f"({type(error).__name__}: {first_line})", stacklevel=2)
+            warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
+                          f"({type(error).__name__}: {first_line})")
             return None
 
 

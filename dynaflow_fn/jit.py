@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,7 +23,7 @@ import torch
 
 from . import autotune, compat, distributed, tree
 from .causal import use_causal_kernels
-from .errors import InputError
+from .errors import InputError, warn
 from .guard import Guard, call_state, check_no_aliasing, modes_unchanged, picker, signature
 from .inductor import compile_stages
 from .lower import lower
@@ -370,11 +369,11 @@ class Jitted:
         return kept.get(choice) or self._entry(options[choice], args, kwargs)
 
     def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict) -> None:
-        warnings.warn(
+        warn(
             f"{getattr(self.fn, '__name__', 'fn')} has been traced for {len(self._cache) + 1} different input "
             f"signatures ({_describe_change(previous, key, args, kwargs, self.fn)}). Each new shape, dtype, device "
             f"or static value traces and captures again; pad inputs to a few fixed shapes, or pass changing "
-            f"scalars as tensors.", stacklevel=3)
+            f"scalars as tensors.")
 
 
 def _argnums(argnums: Any, option: str) -> tuple[int, ...]:
@@ -407,17 +406,16 @@ def _match_donations(program: Program, donated: frozenset[int], input_paths: Seq
     for in_index in sorted(donated):
         node = placeholders[in_index]
         if node in outputs:
-            warnings.warn(f"donated input {input_paths[in_index]} is returned unchanged, so nothing updates it "
-                          f"in place; check that the function returns its new value, or do not donate it",
-                          stacklevel=4)
+            warn(f"donated input {input_paths[in_index]} is returned unchanged, so nothing updates it "
+                          f"in place; check that the function returns its new value, or do not donate it")
         wanted = node.meta["val"]
         same_place = output_positions.get(input_positions[in_index])
         candidates = [same_place] if fits(same_place, wanted) else [j for j in range(len(outputs)) if fits(j, wanted)]
         if candidates:
             claimed[candidates[0]] = in_index
         else:
-            warnings.warn(f"donated input {input_paths[in_index]} matches no output of the same shape, strides and "
-                          f"dtype, so nothing is written into it", stacklevel=4)
+            warn(f"donated input {input_paths[in_index]} matches no output of the same shape, strides and "
+                          f"dtype, so nothing is written into it")
     return claimed
 
 

@@ -36,7 +36,7 @@ from .compat import (
     make_fx,
     quiet_meta_failures,
 )
-from .errors import DynaflowError, InputError, TraceError
+from .errors import DynaflowError, InputError, TraceError, is_library_file
 from .program import InputSpec, NodeInfo, OutputSpec, Program, op_name
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 from .tree import TensorSpec
@@ -235,13 +235,11 @@ def _functionalize(traced: fx.GraphModule, scopes: dict[fx.Node, tuple],
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(optree.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
 def user_frame(tb: Any) -> traceback.FrameSummary | None:
     """The innermost frame of a traceback that belongs to neither torch nor dynaflow_fn."""
-    frames = [f for f in traceback.extract_tb(tb)
-              if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
+    frames = [f for f in traceback.extract_tb(tb) if not is_library_file(f.filename) and not f.filename.startswith("<")]
     return frames[-1] if frames else None
 
 

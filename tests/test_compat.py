@@ -156,3 +156,16 @@ def test_current_stream_id_and_workspace_clearing_without_cuda(monkeypatch):
     compat.clear_cublas_workspaces()                                 # a no-op without CUDA, never an error
     monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)
     compat.clear_cublas_workspaces()
+
+
+def test_outside_current_trace_steps_out_of_make_fx():
+    seen = []
+
+    def body(x):
+        with compat.outside_current_trace():
+            seen.append(type(torch.ones(2)).__name__)                # a real tensor, not a traced one
+        return x * 2
+
+    graph = make_fx(body, tracing_mode="fake")(torch.randn(2))
+    assert seen == ["Tensor"]
+    assert [n.target for n in graph.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mul.Tensor]

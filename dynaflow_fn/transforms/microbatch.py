@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,7 +23,7 @@ import optree
 import torch
 from torch import nn
 
-from ..errors import TransformError
+from ..errors import TransformError, warn
 from ..program import Program
 from ..regions import active_recorder
 from ..trace import trace_function
@@ -265,7 +264,7 @@ def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, *
     report = recorder is not None and not studying()
     if report:
         for text in facts.warnings:
-            warnings.warn(text, UserWarning, stacklevel=2)
+            warn(text)
     results, start = [], 0
     for index, size in enumerate(chunk_sizes):
         if recorder is None:
@@ -304,7 +303,7 @@ def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: B
         merged.append(values[0] if where in facts.shared else _merge_leaf(where, axis, values, sizes))
         if report and isinstance(values[0], torch.Tensor) and axis is not None and (
                 text := merge_warning(where, facts.rows.get(where), axis, values[0].dim())):
-            warnings.warn(text, UserWarning, stacklevel=2)
+            warn(text)
     return optree.tree_unflatten(tree, merged)
 
 

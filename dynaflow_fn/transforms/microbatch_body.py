@@ -13,7 +13,7 @@ whether that merge gives the unsplit function's result, and the values alone can
 - Which ops couple the rows of the batch (`batch_rows`), and which inputs the body updates in
   place (the update then runs once per micro-batch): micro-batching changes what those compute.
 
-The body is traced on a thread of its own. A new thread has no tracing modes active, so this works
+The body is traced outside whatever trace is running (`compat.outside_current_trace`), so this works
 also while an outer trace is running (the micro-batched function being traced, or called inside a
 traced function), and the eager call and the traced one reach the same answer. A body that cannot
 be traced alone (Python control flow on tensor values, which the eager call runs fine) is not
@@ -30,6 +30,7 @@ import optree
 import torch
 from torch import fx
 
+from ..compat import outside_current_trace
 from ..program import Program
 from ..trace import trace_function
 from ..tree import TensorSpec
@@ -122,28 +123,17 @@ def studying() -> bool:
 
 
 def _trace_aside(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any]) -> Program | None:
-    """Trace `body` on a fresh thread; None if it cannot be traced on its own."""
+    """Trace `body` on its own, outside any trace in progress; None if it cannot be traced on its own."""
     args, kwargs = optree.tree_unflatten(tree, list(leaves))
-    traced: list[Program] = []
-    default_device = torch.get_default_device()
-    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-    def run() -> None:
-        _aside.active = True
-        # the devices that factory calls without a device use are per thread: take the caller's
-        if default_device != torch.device("cpu"):
-            torch.set_default_device(default_device)
-        if cuda_device is not None:
-            torch.cuda.set_device(cuda_device)
-        try:
-            traced.append(trace_function(body, args, kwargs))
-        except Exception:     # not studied: see the module docstring
-            pass
-
-    thread = threading.Thread(target=run, name="dynaflow-microbatch-study", daemon=True)
-    thread.start()
-    thread.join()
-    return traced[0] if traced else None
+    was_studying = studying()
+    _aside.active = True
+    try:
+        with outside_current_trace():
+            return trace_function(body, args, kwargs)
+    except Exception:         # not studied: see the module docstring
+        return None
+    finally:
+        _aside.active = was_studying
 
 
 def _abstract(leaf: Any) -> Any:
