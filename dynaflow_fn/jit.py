@@ -79,6 +79,7 @@ class _Entry:
         self.backend = jitted.resolve_backend(plan.device)
         self.executable: Any = None
         self.guard: Guard | None = None
+        self._building = threading.Lock()              # threads arriving at once capture once
 
     def fits(self) -> bool:
         """Whether the state outside the arguments is still the one this entry was traced in: the
@@ -123,30 +124,34 @@ class _Entry:
         return [i for i, adopted in enumerate(self.executable.adopt)
                 if adopted and not self.executable.static_inputs[i].is_inference()]
 
-    def _build(self, tensors: Sequence[torch.Tensor]) -> None:
-        if self.executable is None and distributed.collective_signature(self.plan):
-            distributed.check_consistent(self.plan)
-        if self.backend == "cudagraph":
-            adopt = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
-                     for i, t in enumerate(tensors)]
-            self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
-                                                  self.jitted.static_outputs)
-            self.jitted.captures += 1
-        else:
-            self.executable = EagerExecutable(self.plan, self.plan.device)
+    def _build(self, tensors: Sequence[torch.Tensor], replacing: Any) -> Any:
+        """The executable, built for these tensors unless another thread built it meanwhile; `replacing`
+        is the executable found unfit for them (its inputs read in place moved), or None."""
+        with self._building:
+            if self.executable is not replacing:
+                return self.executable
+            if replacing is None and distributed.collective_signature(self.plan):
+                distributed.check_consistent(self.plan)
+            if self.backend == "cudagraph":
+                adopt = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
+                         for i, t in enumerate(tensors)]
+                self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
+                                                      self.jitted.static_outputs)
+                self.jitted.captures += 1
+            else:
+                self.executable = EagerExecutable(self.plan, self.plan.device)
+            return self.executable
 
     def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool) -> Any:
         if self.written:
             check_no_aliasing(tensors, self.written, self.names)
-        if self.executable is None:
-            self._build(tensors)
+        executable = self.executable or self._build(tensors, None)
         try:
-            outputs = self.executable(tensors)
+            outputs = executable(tensors)
         except AdoptedInputMoved:
             if not rebuild_if_moved:
                 raise
-            self._build(tensors)
-            outputs = self.executable(tensors)
+            outputs = self._build(tensors, executable)(tensors)
         if torch.is_grad_enabled() and self.differentiable and any(map(_REQUIRES_GRAD, tensors)):
             outputs = self._without_backward(outputs)
         return outputs[0] if self.only_output else self.plan.unflatten_outputs(outputs)

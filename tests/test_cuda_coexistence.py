@@ -113,7 +113,7 @@ def test_graphs_of_every_kind_interleaved_with_other_graph_users():
         "aten": df.jit(decode_fn),
         "inductor": df.jit(decode_fn, backend="inductor", progress=False),
         "branches": df.jit(T.overlap(branches_fn, strategy="branches")),
-        "roundrobin": df.jit(T.overlap(T.microbatch(decode_fn, num=2, in_axes=(None, 0)), "roundrobin")),
+        "roundrobin": df.jit(T.overlap(T.microbatch(mlp_fn, num=2, in_axes=(None, 0)), "roundrobin")),
         "train": df.jit(train_step, donate_argnums=(0, 1)),
     }
     compiled = torch.compile(decode, mode="reduce-overhead")
@@ -139,6 +139,9 @@ def test_graphs_of_every_kind_interleaved_with_other_graph_users():
                 elif name == "branches":
                     a, b = torch.randn(8, 32, device="cuda"), torch.randn(8, 32, device="cuda")
                     torch.testing.assert_close(fast(branches_params, a, b), branches_model(a, b))
+                elif name == "roundrobin":
+                    a = torch.randn(16, 32, device="cuda")
+                    torch.testing.assert_close(fast(mlp_params, a), mlp(a))
                 else:
                     x = torch.randn(8, small.hidden, device="cuda", dtype=torch.bfloat16)
                     _close(fast(decode_params, x), decode(x))

@@ -42,3 +42,14 @@ def test_help_on_overlap_explains_every_strategy_and_option():
         assert f'"{name}"' in text, name
     for concept in ("df.Scheduler", "pick", "streams", "ScheduleError", "comm_ctas", "not partitioned"):
         assert concept in text, concept
+
+
+def test_each_transforms_module_is_reachable_by_import_and_documents_its_transform():
+    import importlib
+
+    for module_name, transform in (("microbatching", T.microbatch), ("partitioning", T.partition),
+                                   ("overlapping", T.overlap)):
+        module = importlib.import_module(f"dynaflow_fn.transforms.{module_name}")
+        assert module.__doc__ and getattr(module, transform.__name__) is transform
+        exec(f"import dynaflow_fn.transforms.{module_name} as imported", namespace := {})
+        assert namespace["imported"] is module

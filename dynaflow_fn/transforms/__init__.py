@@ -7,9 +7,9 @@
 """
 
 from .base import Pass, Transformed, compose
-from .microbatch import microbatch
-from .overlap import overlap
-from .partition import Kind, Module, Op, Region, Rule, partition
+from .microbatching import microbatch
+from .overlapping import overlap
+from .partitioning import Kind, Module, Op, Region, Rule, partition
 from .schedule import TBO, Branches, Issue, RoundRobin, Scheduler, Sequential, Stage, StageGraph
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from ..errors import ScheduleError, TransformError
 from ..program import NodeInfo, Program, Stream, copy_graph_module, info
 from .base import Pass, apply_transform, record
-from .partition import Kind, PartitionPass
+from .partitioning import Kind, PartitionPass
 from .schedule import Issue, Scheduler, StageGraph, resolve
 
 DEFAULT_RULES = (Kind("comm"), Kind("compute"))
