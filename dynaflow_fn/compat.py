@@ -10,7 +10,9 @@ runs every entry, and every fallback.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+import importlib
+import warnings
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -18,7 +20,7 @@ from torch import fx
 __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode", "OpOverload", "StorageWeakRef",
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
-    "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "make_fx",
+    "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "inductor_compiler", "make_fx",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback", "MetaKernelRejection",
@@ -366,8 +368,23 @@ def default_store() -> Any:
 # --- Inductor ----------------------------------------------------------------------------------------
 
 
-def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list) -> Any:
-    """Inductor's compiler for an aten graph (what torch.compile's "inductor" backend calls)."""
+def inductor_compiler() -> Callable[[fx.GraphModule, list], Any]:
+    """Inductor's compiler for an aten graph (`compile_fx`, what torch.compile's "inductor" backend calls).
+
+    Importing Inductor imports torch.utils.mkldnn, whose classes, on torch <= 2.13, apply the deprecated
+    `torch.jit.script_method` when the module is executed: a dozen deprecation warnings about torch's own
+    code that no caller can act on. They are ignored for that one import, and only they (torch 2.14+
+    defines those classes lazily, so there is nothing to ignore; a torch without the module skips it).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated")
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module("torch.utils.mkldnn")
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(graph_module, example_inputs)
+    return compile_fx
+
+
+def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list) -> Any:
+    """Compile an aten graph with Inductor: a callable that runs its fused kernels."""
+    return inductor_compiler()(graph_module, example_inputs)

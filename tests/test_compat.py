@@ -169,3 +169,20 @@ def test_outside_current_trace_steps_out_of_make_fx():
     graph = make_fx(body, tracing_mode="fake")(torch.randn(2))
     assert seen == ["Tensor"]
     assert [n.target for n in graph.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mul.Tensor]
+
+
+def test_importing_inductor_raises_no_warning_about_torchs_own_torchscript_classes(monkeypatch):
+    import sys
+    import warnings
+
+    monkeypatch.delitem(sys.modules, "torch.utils.mkldnn", raising=False)   # the compiler imports it afresh
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiler = compat.inductor_compiler()
+    assert "torch.utils.mkldnn" in sys.modules
+    assert callable(compiler)
+    assert not [w for w in caught if "script_method" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:        # only that import is quiet, nothing after it
+        warnings.simplefilter("always")
+        warnings.warn("`torch.jit.script_method` is deprecated", DeprecationWarning)
+    assert len(caught) == 1
