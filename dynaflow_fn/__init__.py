@@ -6,6 +6,8 @@
     print(fast.lower(params, x))       # the Plan: streams, steps, events, buffers
 """
 
+__version__ = "0.1.0"
+
 from . import distributed, optim, transforms
 from .autodiff import grad, value_and_grad
 from .dynamo import CompileBackend, compile_backend
@@ -23,5 +25,5 @@ from .verify import verify
 __all__ = [
     "CacheInfo", "CompileBackend", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",
     "TraceError", "TransformError", "VerificationError", "compile_backend", "distributed", "grad", "jit", "lower", "optim", "pure", "region", "trace",
-    "transforms", "value_and_grad", "verify",
+    "transforms", "value_and_grad", "verify", "__version__",
 ]
