@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -276,9 +277,45 @@ def _lines_with_comments(rows: Iterable[tuple[str, str]], indent: str = "    ") 
     return [f"{indent}{code:<{width}}  # {comment}" if comment else f"{indent}{code}" for code, comment in rows]
 
 
+SUMMARIZED_ARGUMENT_TENSORS = 8
+"""An argument holding more tensors than this (a model's parameters) prints as one line of the signature."""
+
+
+def _argument_name(path: str) -> str:
+    """The top-level argument a leaf belongs to: `params` for `params['fc.weight']`."""
+    return re.match(r"[^\[]*", path).group()
+
+
+def _short_count(number: int) -> str:
+    """`4.74M` for 4,738,560: three significant digits are enough to tell a model's size."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if number >= size:
+            return f"{number / size:.3g}{unit}"
+    return str(number)
+
+
+def _signature_entries(program: Program) -> list[str]:
+    """`name: type` per input, except that an argument of many tensors becomes one summary entry:
+    listing a model's hundreds of parameters would bury the ops below them. Their names still show
+    where the body reads them, and `program.placeholders()` has every type."""
+    argument_of = {spec.node_name: _argument_name(spec.path) for spec in program.inputs if spec.is_tensor}
+    groups: dict[str, list[fx.Node]] = {}
+    for placeholder in program.placeholders():
+        groups.setdefault(argument_of.get(placeholder.name, placeholder.name), []).append(placeholder)
+    entries = []
+    for argument, placeholders in groups.items():
+        if len(placeholders) <= SUMMARIZED_ARGUMENT_TENSORS:
+            entries += [f"{p.name}: {type_str(p.meta.get('val'))}" for p in placeholders]
+            continue
+        tensors = [p.meta["val"] for p in placeholders if isinstance(p.meta.get("val"), torch.Tensor)]
+        dtypes = "/".join(sorted({dtype_name(t.dtype) for t in tensors}))
+        entries.append(f"{argument}: {len(placeholders)} tensors ({placeholders[0].name} ... {placeholders[-1].name}), "
+                       f"{_short_count(sum(t.numel() for t in tensors))} {dtypes} elements")
+    return entries
+
+
 def format_program(program: Program) -> str:
-    placeholders = program.placeholders()
-    parameters = [f"{p.name}: {type_str(p.meta.get('val'))}" for p in placeholders]
+    parameters = _signature_entries(program)
     signature = ", ".join(parameters)
     if len(signature) > 80:
         signature = "\n" + "".join(f"    {p},\n" for p in parameters)

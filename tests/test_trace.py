@@ -1,4 +1,5 @@
 import inspect
+import re
 
 import pytest
 import torch
@@ -185,3 +186,23 @@ def test_model_code_runs_as_in_eager_pytorch():
     df.trace(f, torch.randn(2))
     assert seen == [(False, False)]
 
+
+
+def test_a_model_with_many_parameters_prints_them_as_one_line_above_its_ops():
+    sizes = (32,) + (48,) * 5 + (16,)
+    fn, params = df.pure(MLP(sizes=sizes))          # 12 parameter tensors
+    x = torch.randn(4, 32)
+    program = df.trace(fn, params, x)
+    placeholders = [p.name for p in program.placeholders() if p.name != "x"]
+    lines = str(program).splitlines()
+    end = lines.index("):")
+    assert lines[1:end] == ["def MLP(", lines[2], "    x: f32[4, 32],"]
+    summary = re.fullmatch(r"    params: (\d+) tensors \((\w+) \.\.\. (\w+)\), ([\d.]+)k f32 elements,", lines[2])
+    assert summary, lines[2]
+    assert (int(summary[1]), summary[2], summary[3]) == (len(params), placeholders[0], placeholders[-1])
+    assert float(summary[4]) * 1e3 == pytest.approx(sum(p.numel() for p in params.values()), rel=5e-3)
+    assert lines[end + 1].lstrip().startswith(program.ops()[0].name + ":")   # the body starts right below
+
+    fewer_params = dict(list(params.items())[:6])                       # at most 8: each with its type
+    text = str(df.trace(lambda p, x: x @ p["layers.0.weight"].t(), fewer_params, x))
+    assert "layers_0_weight: f32[48, 32]" in text and "tensors" not in text
