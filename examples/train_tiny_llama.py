@@ -5,12 +5,13 @@ two-layer model learns in a few hundred steps. Forward, backward and the AdamW u
 program; parameters and optimizer state are donated, so they are updated in place. On a GPU the step
 replays as one CUDA graph; on the CPU df.jit interprets the same plan.
 
-    python examples/train_tiny_llama.py            # writes train_tiny_llama.png (the loss curve)
+    python examples/train_tiny_llama.py            # writes examples/outputs/train_tiny_llama.png (the loss curve)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from tqdm import tqdm
 import dynaflow_fn as df
 
 VOCAB, LENGTH, SEP = 16, 8, 0
+OUTPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs")   # ignored by git
 
 
 def make_model(device: str) -> torch.nn.Module:
@@ -36,8 +38,8 @@ def copy_batch(batch: int, device: str, generator: torch.Generator) -> torch.Ten
 
 
 def train(steps: int = 300, batch: int = 32, lr: float = 3e-3, device: str | None = None, seed: int = 0,
-          plot: str | None = "train_tiny_llama.png", progress: bool = True) -> list[float]:
-    """Train and return the loss of every step."""
+          plot: str | None = os.path.join(OUTPUTS, "train_tiny_llama.png"), progress: bool = True) -> list[float]:
+    """Train and return the loss of every step; draw the loss curve into `plot` unless it is None."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     model = make_model(device)
@@ -83,6 +85,7 @@ def _plot(losses: list[float], path: str) -> None:
     axes.set_yscale("log")
     axes.set_title("tiny Llama learning to copy (df.jit train step)")
     figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=120)
     print(f"wrote {path}")
 
@@ -91,6 +94,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--plot", default=os.path.join(OUTPUTS, "train_tiny_llama.png"),
+                        help="where to write the loss curve (default: %(default)s)")
     options = parser.parse_args()
-    curve = train(options.steps, device=options.device)
+    curve = train(options.steps, device=options.device, plot=options.plot)
     print(f"loss {curve[0]:.3f} -> {curve[-1]:.3f}")

@@ -1,5 +1,8 @@
 import importlib.util
+import inspect
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -148,10 +151,24 @@ def test_out_kernels_that_use_their_output_as_scratch_are_not_used():
     assert step.kind is StepKind.ALLOC
 
 
-def test_example_learns_to_copy():
+def _load_example():
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "train_tiny_llama.py")
     spec = importlib.util.spec_from_file_location("train_tiny_llama", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    losses = example.train(steps=120, device="cpu", plot=None, progress=False)
+    return example
+
+
+def test_example_learns_to_copy():
+    losses = _load_example().train(steps=120, device="cpu", plot=None, progress=False)
     assert losses[-1] < 0.1 * losses[0]
+
+
+def test_example_writes_its_plot_into_a_folder_git_ignores():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
+        pytest.skip("not a git checkout")
+    default = inspect.signature(_load_example().train).parameters["plot"].default
+    assert os.path.commonpath([root, default]) == root
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", default], cwd=root)
+    assert ignored.returncode == 0, f"{default} would be left in the work tree as an untracked file"
