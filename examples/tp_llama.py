@@ -6,7 +6,7 @@ two and scheduled round-robin, so one micro-batch's all-reduce runs on the comm 
 other computes. Rank 0 compares the result with the unsharded model.
 
     torchrun --nproc-per-node 2 examples/tp_llama.py                  # NCCL on GPUs, gloo on CPUs
-    torchrun --nproc-per-node 2 examples/tp_llama.py --comm-ctas 8    # all-reduces on 8 thread blocks
+    torchrun --nproc-per-node 2 examples/tp_llama.py --comm-ctas 8    # all-reduces on 8 thread blocks (NCCL)
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ def run(hidden: int = 256, heads: int = 8, ffn: int = 512, layers: int = 2, batc
     elapsed = (time.perf_counter() - start) / 5
     reference = decoder([{k: v.to(device) for k, v in w.items()} for w in full], x, heads)
     error = ((out - reference).norm() / reference.norm()).item()
+    plan = df.verify(fast.lower(local, x))        # raises VerificationError if two streams could race
     if rank == 0:
         print(f"TP={world} on {device}: {elapsed * 1e3:.2f} ms/step, relative error vs one device {error:.2e}")
-        print(df.verify(fast.lower(local, x)).__repr__())
+        print(f"plan verified race-free: {len(plan.steps)} steps on {len(plan.streams)} streams "
+              f"({', '.join(s.name for s in plan.streams)}), ordered by {plan.num_events} events")
     return error
 
 
@@ -91,7 +93,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--comm-ctas", type=int, default=None,
-                        help="run the all-reduces on a dedicated communicator of this many thread blocks")
+                        help="run the all-reduces on a dedicated communicator of this many thread blocks "
+                             "(NCCL only: needs GPUs)")
     options = parser.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -100,8 +103,14 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    comm_ctas = options.comm_ctas
+    if comm_ctas is not None and dist.get_backend() != "nccl":
+        if dist.get_rank() == 0:
+            print(f"--comm-ctas {comm_ctas} is ignored: it bounds the thread blocks of NCCL's collectives and "
+                  f"applies only on NCCL (GPUs); this run uses {dist.get_backend()}.")
+        comm_ctas = None
     run(hidden=options.hidden, heads=16, ffn=4 * options.hidden, layers=options.layers, device=device,
-        comm_ctas=options.comm_ctas)
+        comm_ctas=comm_ctas)
     dist.destroy_process_group()
 
 

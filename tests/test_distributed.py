@@ -3,6 +3,7 @@ and mismatches end in an error, never a hang (every test runs under a deadline).
 
 import os
 import socket
+import sys
 import traceback
 
 import pytest
@@ -354,20 +355,48 @@ def test_average_fills_buckets_in_the_order_a_backward_pass_produces_gradients()
     assert sizes == list(range(12, 0, -1))      # last inserted first, not last in sorted key order
 
 
-def _tp_example(rank, world):
+def _load_tp_example():
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "tp_llama.py")
     spec = importlib.util.spec_from_file_location("tp_llama", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    return example.run(hidden=128, heads=8, ffn=256, layers=2, batch=4, length=16)
+    return example
+
+
+def _tp_example(rank, world):
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        error = _load_tp_example().run(hidden=128, heads=8, ffn=256, layers=2, batch=4, length=16)
+    return error, printed.getvalue()
 
 
 def test_tensor_parallel_example_matches_one_device():
     results = _spawn(_tp_example)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    assert all(error < 1e-5 for _, error in results), results
+    assert all(error < 1e-5 for _, (error, _) in results), results
+    printed = results[0][1][1]
+    assert "plan verified race-free" in printed and "<Plan" not in printed, printed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path")
+def test_tensor_parallel_example_says_comm_ctas_applies_only_on_nccl(monkeypatch, capsys):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["tp_llama.py", "--hidden", "64", "--layers", "1", "--comm-ctas", "8"])
+    try:
+        _load_tp_example().main()
+    finally:
+        if dist.is_initialized():            # main() failed before its own teardown
+            dist.destroy_process_group()
+    printed = capsys.readouterr().out
+    assert "--comm-ctas 8 is ignored" in printed and "applies only on NCCL" in printed and "uses gloo" in printed
+    assert "plan verified race-free" in printed
 
 
 def _auto_on_two_ranks(rank, world):
