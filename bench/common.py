@@ -128,6 +128,11 @@ def peak_memory_mb(fn: Callable[[], Any]) -> float:
 
 
 def write_results(name: str, rows: list[dict[str, Any]], **extra: Any) -> str:
+    """Write `bench/results/<name>.json`. Only from a machine with CUDA: the files hold one GPU machine's
+    measurements, and absolute times from anywhere else would read as its."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"not writing bench/results/{name}.json without a CUDA device: the results there are "
+                           "GPU measurements")
     os.makedirs(RESULTS, exist_ok=True)
     record = {
         "name": name,

@@ -12,7 +12,7 @@ ratios against eager and the hand-captured graph. Also reports how long dynaflow
 lower a 32-layer Llama-like model with parameters on the meta device (CPU work only).
 
     python -m bench.overhead            # on a GPU: everything
-    python -m bench.overhead --trace    # trace + lower timing only (any machine)
+    python -m bench.overhead --trace    # trace + lower timing only (any machine; written only on a GPU one)
 """
 
 from __future__ import annotations
@@ -148,7 +148,10 @@ def main() -> None:
     print_table([trace_row], ["case", "variant", "trace_s", "lower_s", "total_s", "ops", "steps"],
                 "trace + lower time")
     if options.trace:
-        write_results("trace_time", [trace_row])
+        if torch.cuda.is_available():
+            write_results("trace_time", [trace_row])
+        else:
+            print("\nnot written to bench/results/: it holds the GPU machine's measurements")
         return
     rows = launch_bound_rows()
     print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "host_us_per_call",
