@@ -85,6 +85,7 @@ def test_only_a_mask_that_is_exactly_causal_is_replaced(name):
     torch.testing.assert_close(fast(q, k, v), attend(q, k, v))
 
 
+@pytest.mark.slow
 def test_each_micro_batch_of_a_scheduled_program_gets_the_causal_kernel():
     model = tiny_llama()
     fn, params = llama_logits(model)

@@ -91,6 +91,7 @@ def _same_plan_and_result(rank, world):
     return _plan_fingerprint(plan), out.numpy(), [str(s) for s in plan.streams]
 
 
+@pytest.mark.slow
 def test_every_rank_builds_the_same_plan_and_matches_one_process():
     results = _spawn(_same_plan_and_result)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
@@ -132,6 +133,7 @@ def _carveouts_match_concurrency(plan):
     return ok, sum(1 for s in plan.steps if s.sm_carveout)
 
 
+@pytest.mark.slow
 def test_comm_ctas_moves_collectives_to_a_dedicated_communicator_and_leaves_them_sms():
     results = _spawn(_on_a_dedicated_communicator)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
@@ -155,6 +157,7 @@ def _inductor_around_collectives(rank, world):
     return kinds, out.numpy()
 
 
+@pytest.mark.slow
 def test_inductor_compiles_around_collectives_on_every_rank():
     results = _spawn(_inductor_around_collectives)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
@@ -192,6 +195,7 @@ def _every_collective(rank, world):
     return placed, comm, [o.numpy() for o in out], [e.numpy() for e in fn(x)]
 
 
+@pytest.mark.slow
 def test_every_functional_collective_runs_on_the_comm_stream_and_equals_eager():
     results = _spawn(_every_collective)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
@@ -212,6 +216,7 @@ def _mismatched_shapes(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_mismatched_collective_shapes_are_an_error_naming_the_collective():
     results = _spawn(_mismatched_shapes)
     messages = [payload for ok, payload in results]
@@ -278,6 +283,7 @@ def _one_rank_missing(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_rank_that_does_not_join_is_reported_not_waited_for():
     results = _spawn(_one_rank_missing)
     assert results[1] == (True, "skipped")
@@ -324,6 +330,7 @@ def _data_parallel_steps(rank, world):
     return {k: v.numpy() for k, v in params.items()}, losses, buckets, sorted(comm_streams)
 
 
+@pytest.mark.slow
 def test_data_parallel_step_equals_the_full_batch_step():
     results = _spawn(_data_parallel_steps)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
@@ -349,6 +356,7 @@ def _bucket_sizes(rank, world):
     return [n.args[0].meta["val"].numel() for n in program.ops() if "all_reduce" in str(n.target)]
 
 
+@pytest.mark.slow
 def test_average_fills_buckets_in_the_order_a_backward_pass_produces_gradients():
     (ok, sizes), = _spawn(_bucket_sizes, world=1)
     assert ok, sizes
@@ -375,6 +383,7 @@ def _tp_example(rank, world):
     return error, printed.getvalue()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_example_matches_one_device():
     results = _spawn(_tp_example)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
@@ -422,6 +431,7 @@ def _auto_on_two_ranks(rank, world):
     return choice, out.numpy()
 
 
+@pytest.mark.slow
 def test_auto_follows_rank_0_on_every_rank():
     results = _spawn(_auto_on_two_ranks)
     assert all(ok for ok, _ in results), [p for ok, p in results if not ok]

@@ -25,6 +25,7 @@ def _load_example():
     return example
 
 
+@pytest.mark.slow
 def test_example_runs_llama_through_df_jit_and_matches_eager(fresh_dynamo):
     difference, backend = _load_example().main(calls=2)
     assert difference < 1e-3

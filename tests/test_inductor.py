@@ -33,6 +33,7 @@ def test_inductor_matches_eager_for_an_mlp(overlap):
     assert "mm" not in _aten_ops(plan) and "addmm" not in _aten_ops(plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["whole", "microbatch2-tbo"])
 def test_inductor_matches_eager_for_a_tiny_hf_llama(overlap):
     model = tiny_llama()

@@ -159,6 +159,7 @@ def _load_example():
     return example
 
 
+@pytest.mark.slow
 def test_example_learns_to_copy():
     losses = _load_example().train(steps=120, device="cpu", plot=None, progress=False)
     assert losses[-1] < 0.1 * losses[0]

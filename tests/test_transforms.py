@@ -34,7 +34,7 @@ def _strategy(fn, rules, strategy, num=2, inputs=1):
     return T.overlap(T.partition(step, rules=rules), strategy=strategy)
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "block", "llama", "two-branch"])
+@pytest.mark.parametrize("model_name", ["mlp", "block", pytest.param("llama", marks=pytest.mark.slow), "two-branch"])
 def test_every_strategy_equals_eager_and_the_sequential_microbatched_program(model_name):
     fn, params, make, rules = _model(model_name)
     inputs = 2 if model_name == "two-branch" else 1
