@@ -69,11 +69,11 @@ def main():
 
     fn, params = df.pure(model)               # model as a pure function of (params, x)
     program = df.trace(fn, params, x)          # the traced aten program
-    print(head(str(program), 14), "\n")
+    print(head(str(program), 14) + "\n")
 
     fast = df.jit(fn)                          # trace + lower + (on CUDA) capture on first call
     plan = fast.lower(params, x)
-    print(head(str(plan), 16), "\n")
+    print(head(str(plan), 16) + "\n")
 
     with torch.no_grad():
         expected = model(x)
