@@ -233,6 +233,7 @@ def _different_reduce_ops(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_collectives_that_differ_in_a_non_tensor_argument_show_the_argument():
     results = _spawn(_different_reduce_ops)
     assert all(ok for ok, _ in results), results
@@ -259,6 +260,7 @@ def _smaller_last_batch_on_rank_0(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_rank_that_retraces_alone_is_told_which_argument_differs():
     results = _spawn(_smaller_last_batch_on_rank_0)
     ok, message = results[0]
