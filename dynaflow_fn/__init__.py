@@ -25,5 +25,5 @@ from .verify import verify
 __all__ = [
     "CacheInfo", "CompileBackend", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",
     "TraceError", "TransformError", "VerificationError", "compile_backend", "distributed", "grad", "jit", "lower", "optim", "pure", "region", "trace",
-    "transforms", "value_and_grad", "verify", "__version__",
+    "transforms", "value_and_grad", "verify",
 ]

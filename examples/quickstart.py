@@ -1,7 +1,7 @@
 """Quickstart: a small transformer stack, eager PyTorch against df.jit.
 
 Runs on a GPU when there is one (df.jit replays one CUDA graph per call) and on the CPU otherwise
-(df.jit interprets its static plan, as fast as eager). Prints the start of the traced program and of
+(df.jit interprets its static plan, about as fast as eager). Prints the start of the traced program and of
 the plan, how far the results differ, and the time per call of each.
 
     python examples/quickstart.py

@@ -20,7 +20,7 @@ from tqdm import tqdm
 import dynaflow_fn as df
 
 VOCAB, LENGTH, SEP = 16, 8, 0
-OUTPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs")   # ignored by git
+DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs", "train_tiny_llama.png")  # git ignores outputs/
 
 
 def make_model(device: str) -> torch.nn.Module:
@@ -38,7 +38,7 @@ def copy_batch(batch: int, device: str, generator: torch.Generator) -> torch.Ten
 
 
 def train(steps: int = 300, batch: int = 32, lr: float = 3e-3, device: str | None = None, seed: int = 0,
-          plot: str | None = os.path.join(OUTPUTS, "train_tiny_llama.png"), progress: bool = True) -> list[float]:
+          plot: str | None = DEFAULT_PLOT, progress: bool = True) -> list[float]:
     """Train and return the loss of every step; draw the loss curve into `plot` unless it is None."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
@@ -94,7 +94,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--plot", default=os.path.join(OUTPUTS, "train_tiny_llama.png"),
+    parser.add_argument("--plot", default=DEFAULT_PLOT,
                         help="where to write the loss curve (default: %(default)s)")
     options = parser.parse_args()
     curve = train(options.steps, device=options.device, plot=options.plot)
