@@ -327,6 +327,7 @@ def format_program(program: Program) -> str:
     if statics:
         header.append("# static: " + ", ".join(f"{s.path}={s.static_value!r}" for s in statics))
     if program.captured:
+        placeholders = program.placeholders()
         names = [p.name for p in placeholders[len(placeholders) - len(program.captured):]]
         header.append("# closed over (read in place every call): " +
                       ", ".join(f"{name}={c.name}" if name != c.name else name for name, c in zip(names, program.captured)))

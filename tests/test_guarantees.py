@@ -121,6 +121,7 @@ def test_work_on_a_closed_over_tensor_alone_follows_its_updates():
         w.add_(torch.randn(8))
     program = df.trace(f, torch.randn(4, 8))
     assert program.captured and program.captured[0].tensor is w and program.captured[0].name == "w"
+    assert "# closed over (read in place every call): w\n" in str(program)
 
 
 def test_a_closed_over_tensor_replaced_through_data_is_seen():
