@@ -66,6 +66,19 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class DropoutNet(nn.Module):
+    """Linear -> batch norm -> dropout: its output depends on train/eval mode twice over."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.bn(self.fc(x)))
+
+
 class TwoBranch(nn.Module):
     """Two independent branches joined at the end: the shape `branches` overlaps."""
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from bench.llama_layers import LLAMA3_8B, Shape, decoder_layer, make_layer
+from bench.overhead import hand_graph
 from dynaflow_fn import transforms as T
 from models import MLP, TwoBranch
 
@@ -48,24 +49,6 @@ def _close(got, expected):
     relative norms; a graph writing into freed memory is off by far more, or faults."""
     error = (got.float() - expected.float()).norm() / expected.float().norm()
     assert error < 2e-2, f"relative error {error.item():.3g}"
-
-
-def _hand_graph(model, example):
-    static_x = example.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        model(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        static_y = model(static_x)
-
-    def call(x):
-        static_x.copy_(x)
-        graph.replay()
-        return static_y.clone()
-    return call
 
 
 def test_decode_graphs_survive_torch_compile_reduce_overhead_rounds():
@@ -118,7 +101,7 @@ def test_graphs_of_every_kind_interleaved_with_other_graph_users():
     }
     compiled = torch.compile(decode, mode="reduce-overhead")
     x_decode = torch.randn(8, small.hidden, device="cuda", dtype=torch.bfloat16)
-    hand = _hand_graph(decode, x_decode)
+    hand = hand_graph(decode, x_decode)
 
     def other_users():
         yield lambda: _close(compiled(x_decode), decode(x_decode))

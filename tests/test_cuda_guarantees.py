@@ -10,23 +10,13 @@ import torch
 from torch import nn
 
 import dynaflow_fn as df
+from models import DropoutNet
 
 pytestmark = pytest.mark.cuda
 
 
-class DropoutNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 64)
-        self.bn = nn.BatchNorm1d(64)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x):
-        return self.drop(self.bn(self.fc(x)))
-
-
 def test_mode_switches_after_capture_are_seen():
-    model = DropoutNet().cuda().train()
+    model = DropoutNet(64).cuda().train()
     fn, params = df.pure(model)
     fast = df.jit(fn)
     with torch.no_grad():

@@ -13,20 +13,10 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from models import DropoutNet
 
 
 # --- Python state that tracing reads -----------------------------------------------------------------
-
-
-class DropoutNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(32, 32)
-        self.drop = nn.Dropout(0.5)
-        self.bn = nn.BatchNorm1d(32)
-
-    def forward(self, x):
-        return self.drop(self.bn(self.fc(x)))
 
 
 def test_switching_to_eval_after_the_first_call_is_seen():
