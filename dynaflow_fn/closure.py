@@ -16,23 +16,15 @@ inside the function is recorded as a constant read through `lift_fresh_copy`, an
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
 
 from . import tree
+from .program import Captured
 
 _LIFT_FRESH = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
-
-
-@dataclass(frozen=True, eq=False)
-class Captured:
-    """A tensor the function closes over: `name` is where it was found (`params['fc.weight']`)."""
-
-    name: str
-    tensor: torch.Tensor
 
 
 def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple[Captured, ...]:

@@ -18,7 +18,6 @@ import torch
 from torch import fx
 
 from .compat import OpOverload
-from .closure import Captured
 from .regions import Scope
 
 _DTYPE_NAMES = {
@@ -113,6 +112,15 @@ class OutputSpec:
     path: str
     tensor_index: int | None
     static_value: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class Captured:
+    """A tensor the traced function closes over, an input read in place on every call (`closure`):
+    `name` is where it was found (`params['fc.weight']`)."""
+
+    name: str
+    tensor: torch.Tensor
 
 
 @dataclass(frozen=True)
