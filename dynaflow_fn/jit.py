@@ -81,12 +81,6 @@ class _Entry:
         self.guard: Guard | None = None
         self._building = threading.Lock()              # threads arriving at once capture once
 
-    def fits(self) -> bool:
-        """Whether the state outside the arguments is still the one this entry was traced in: the
-        modules' train/eval modes and the layouts of the tensors the function closes over."""
-        return modes_unchanged(self.module_modes) and all(
-            TensorSpec.of(t) == spec for t, spec in zip(self.captured, self.captured_specs))
-
     def stale(self) -> bool:
         """Whether a closed-over tensor has changed layout: this entry can never run again."""
         return any(TensorSpec.of(t) != spec for t, spec in zip(self.captured, self.captured_specs))
@@ -110,7 +104,7 @@ class _Entry:
         return tensors
 
     def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
-        adopted = self._pinned()
+        adopted = set(self._pinned())
         arguments = len(self.tensor_positions)
         return Guard(treedef, leaves, [self.tensor_positions[i] for i in adopted if i < arguments], state,
                      [m for m, _ in self.module_modes],
@@ -206,7 +200,7 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):
-            leaves, treedef = list(args), self._positional(len(args))       # what optree would return, sooner
+            leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:
             leaves, treedef = optree.tree_flatten((args, kwargs))
         state = call_state()
@@ -234,11 +228,6 @@ class Jitted:
             self.hits += 1
         self._last = entry if key is not None else None
         return entry(treedef, leaves, state)
-
-    @functools.lru_cache(maxsize=None)
-    def _positional(self, count: int) -> Any:
-        """The pytree structure of `count` positional leaves and no keywords."""
-        return optree.tree_structure(((0,) * count, {}))
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms) that a call with these arguments runs."""
@@ -279,15 +268,15 @@ class Jitted:
     # --- compilation -----------------------------------------------------------------------------
 
     def _find(self, key: Any) -> _Entry | None:
-        """The entry for this key whose modules and closed-over tensors are as they were traced;
-        entries whose closed-over tensors changed layout are dropped."""
+        """The entry for this key whose modules are in the modes they were traced in; entries whose
+        closed-over tensors changed layout can never run again and are dropped."""
         entries = self._cache.get(key)
         if not entries:
             return None
-        found = next((entry for entry in entries if entry.fits()), None)
-        if found is None and any(entry.stale() for entry in entries):
-            self._cache[key] = [entry for entry in entries if not entry.stale()]
-        return found
+        live = [entry for entry in entries if not entry.stale()]
+        if len(live) < len(entries):
+            self._cache[key] = live
+        return next((entry for entry in live if modes_unchanged(entry.module_modes)), None)
 
     def _entry(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> _Entry:
         """Trace, transform and lower `fn` for these arguments."""
@@ -327,8 +316,9 @@ class Jitted:
             entry = self._entry(self.fn, args, kwargs)
         self.misses += 1
         if key is not None:
-            if sum(map(len, self._cache.values())) >= RETRACE_WARNING_ENTRIES:
-                self._warn_retracing(next(reversed(self._cache)), key, args, kwargs)
+            entries = self.cache_info().entries
+            if entries >= RETRACE_WARNING_ENTRIES:
+                self._warn_retracing(next(reversed(self._cache)), key, args, kwargs, entries + 1)
             self._cache.setdefault(key, []).append(entry)
         return entry
 
@@ -373,12 +363,18 @@ class Jitted:
         self.choices[described] = (choice, timings)
         return kept.get(choice) or self._entry(options[choice], args, kwargs)
 
-    def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict) -> None:
+    def _warn_retracing(self, previous: Any, key: Any, args: tuple, kwargs: dict, traced: int) -> None:
         warn(
-            f"{getattr(self.fn, '__name__', 'fn')} has been traced for {len(self._cache) + 1} different input "
+            f"{getattr(self.fn, '__name__', 'fn')} has been traced for {traced} different input "
             f"signatures ({_describe_change(previous, key, args, kwargs, self.fn)}). Each new shape, dtype, device "
             f"or static value traces and captures again; pad inputs to a few fixed shapes, or pass changing "
             f"scalars as tensors.")
+
+
+@functools.lru_cache(maxsize=None)
+def _positional_treedef(count: int) -> Any:
+    """The pytree structure of `count` positional leaves and no keywords."""
+    return optree.tree_structure(((0,) * count, {}))
 
 
 def _argnums(argnums: Any, option: str) -> tuple[int, ...]:
@@ -412,7 +408,7 @@ def _match_donations(program: Program, donated: frozenset[int], input_paths: Seq
         node = placeholders[in_index]
         if node in outputs:
             warn(f"donated input {input_paths[in_index]} is returned unchanged, so nothing updates it "
-                          f"in place; check that the function returns its new value, or do not donate it")
+                 f"in place; check that the function returns its new value, or do not donate it")
         wanted = node.meta["val"]
         same_place = output_positions.get(input_positions[in_index])
         candidates = [same_place] if fits(same_place, wanted) else [j for j in range(len(outputs)) if fits(j, wanted)]
@@ -420,7 +416,7 @@ def _match_donations(program: Program, donated: frozenset[int], input_paths: Seq
             claimed[candidates[0]] = in_index
         else:
             warn(f"donated input {input_paths[in_index]} matches no output of the same shape, strides and "
-                          f"dtype, so nothing is written into it")
+                 f"dtype, so nothing is written into it")
     return claimed
 
 

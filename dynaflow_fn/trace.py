@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
-
-import threading
 
 import optree
 import torch

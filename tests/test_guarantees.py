@@ -462,3 +462,16 @@ def test_random_sequences_of_calls_and_updates_match_eager(actions, seed):
             else:
                 getattr(jitted_model, action)()
                 getattr(eager_model, action)()
+
+
+def test_a_dropped_jitted_function_is_freed_with_its_plans():
+    import gc
+    import weakref
+
+    fast = df.jit(lambda x: x * 2)
+    fast(torch.randn(3))
+    plan = weakref.ref(fast.plans()[0])
+    jitted = weakref.ref(fast)
+    del fast
+    gc.collect()
+    assert jitted() is None and plan() is None
