@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from example_loader import load_example
 
 DEADLINE_S = 120
 
@@ -365,23 +366,13 @@ def test_average_fills_buckets_in_the_order_a_backward_pass_produces_gradients()
     assert sizes == list(range(12, 0, -1))      # last inserted first, not last in sorted key order
 
 
-def _load_tp_example():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "tp_llama.py")
-    spec = importlib.util.spec_from_file_location("tp_llama", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
-
-
 def _tp_example(rank, world):
     import contextlib
     import io
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        error = _load_tp_example().run(hidden=128, heads=8, ffn=256, layers=2, batch=4, length=16)
+        error = load_example("tp_llama").run(hidden=128, heads=8, ffn=256, layers=2, batch=4, length=16)
     return error, printed.getvalue()
 
 
@@ -401,7 +392,7 @@ def test_tensor_parallel_example_says_comm_ctas_applies_only_on_nccl(monkeypatch
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["tp_llama.py", "--hidden", "64", "--layers", "1", "--comm-ctas", "8"])
     try:
-        _load_tp_example().main()
+        load_example("tp_llama").main()
     finally:
         if dist.is_initialized():            # main() failed before its own teardown
             dist.destroy_process_group()

@@ -1,10 +1,10 @@
 """examples/compile_hf_llama.py: an unmodified Hugging Face Llama under torch.compile with df.compile_backend."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
+
+from example_loader import load_example
 
 pytest.importorskip("transformers")
 
@@ -17,17 +17,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _load_example():
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "compile_hf_llama.py")
-    spec = importlib.util.spec_from_file_location("compile_hf_llama", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
-
 
 @pytest.mark.slow
 def test_example_runs_llama_through_df_jit_and_matches_eager(fresh_dynamo):
-    difference, backend = _load_example().main(calls=2)
+    difference, backend = load_example("compile_hf_llama").main(calls=2)
     assert difference < 1e-3
     assert backend.graphs, "Dynamo handed no graph to df.compile_backend"
     for jitted in backend.graphs:

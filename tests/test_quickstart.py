@@ -1,24 +1,17 @@
 """examples/quickstart.py: what a new user sees first shows ops, steps, the same result, and why the CPU is no faster."""
 
-import importlib.util
-import os
 import re
 
 import pytest
 import torch
 
+from example_loader import load_example
 
-def _load_example():
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart.py")
-    spec = importlib.util.spec_from_file_location("quickstart", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
 
 
 @pytest.mark.slow
 def test_quickstart_prints_ops_and_steps_and_matches_eager(capsys):
-    _load_example().main()
+    load_example("quickstart").main()
     printed = capsys.readouterr().out
     program, plan = printed.split("# Plan ", 1)
     assert re.search(r"^    \w+: \S.* = aten\.\w+", program, re.MULTILINE), program      # an op of the program

@@ -1,4 +1,3 @@
-import importlib.util
 import inspect
 import os
 import shutil
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan import StepKind
+from example_loader import load_example
 from models import MLP, llama_logits, tiny_llama
 
 
@@ -151,17 +151,10 @@ def test_out_kernels_that_use_their_output_as_scratch_are_not_used():
     assert step.kind is StepKind.ALLOC
 
 
-def _load_example():
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "train_tiny_llama.py")
-    spec = importlib.util.spec_from_file_location("train_tiny_llama", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
-
 
 @pytest.mark.slow
 def test_example_learns_to_copy():
-    losses = _load_example().train(steps=120, device="cpu", plot=None, progress=False)
+    losses = load_example("train_tiny_llama").train(steps=120, device="cpu", plot=None, progress=False)
     assert losses[-1] < 0.1 * losses[0]
 
 
@@ -169,7 +162,7 @@ def test_example_writes_its_plot_into_a_folder_git_ignores():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
         pytest.skip("not a git checkout")
-    default = inspect.signature(_load_example().train).parameters["plot"].default
+    default = inspect.signature(load_example("train_tiny_llama").train).parameters["plot"].default
     assert os.path.commonpath([root, default]) == root
     ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", default], cwd=root)
     assert ignored.returncode == 0, f"{default} would be left in the work tree as an untracked file"
