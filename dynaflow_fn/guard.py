@@ -7,7 +7,7 @@ A plan is built from one call's arguments and from Python state that tracing and
 * process-wide settings that change what is traced or which kernels a CUDA graph captures (autocast,
   the default dtype and device, deterministic algorithms, TF32 and reduced-precision matmuls:
   `call_state`);
-* the `training` flag of every module the trace called (dropout, batch norm);
+* the `training` flag of every module whose flag the trace read (dropout, batch norm: `mode_reads`);
 * the tensors the function closes over (their layout; they are read in place).
 
 Hashing the full key costs about half a microsecond per leaf, as long as a replay for a decode step
@@ -89,7 +89,7 @@ class Guard:
     in-place change of shape or layout bumps (resize_, set_, t_, unsqueeze_, ...); the executable
     checks their addresses. What this cannot see is `t.data = v` with `v` at t's own address in
     another layout. Every other leaf is compared in full, as in the cache key, and so are the call
-    state and the training flags of the modules the trace called. Tensors the function closes over
+    state and the training flags the trace read. Tensors the function closes over
     are the same objects on every call: those read in place (`captured_pinned`) are checked by
     version, the others (`captured_compared`) in full.
     """
@@ -124,7 +124,7 @@ class Guard:
 
 
 def modes_unchanged(module_modes: Sequence[tuple[torch.nn.Module, bool]]) -> bool:
-    """Whether every module a trace called is still in the train/eval mode it was traced in."""
+    """Whether every module whose flag a trace read is still in the train/eval mode it was traced in."""
     return all(module.training == training for module, training in module_modes)
 
 

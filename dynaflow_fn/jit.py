@@ -4,7 +4,7 @@ A plan is built for one input signature and one state of the caller's program (s
 whose signature and state match an entry runs its executable straight away, which on CUDA is input
 copies, one graph replay and output clones. Every call is checked, never assumed: the arguments'
 structure and layouts, the process-wide settings tracing reads, the train/eval mode of the modules
-the trace called, and the tensors the function closes over (read in place, like parameters).
+whose flag the trace read, and the tensors the function closes over (read in place, like parameters).
 
 A call that would compute something other than `fn` is refused with a named error instead: arguments
 that share memory with one the plan writes, or backward through a plan's outputs.

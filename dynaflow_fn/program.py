@@ -138,8 +138,8 @@ class Program:
 
     The graph's placeholders are the tensor leaves of the arguments, in flatten order, then the
     `captured` tensors the function closes over (see `closure`). `module_modes` records the
-    `training` flag of every module the trace called, which the traced ops depend on (dropout,
-    batch norm). Calling a Program runs its graph eagerly, which is handy as a reference. Printing
+    `training` flag of every module whose flag the trace read, which the traced ops depend on
+    (dropout, batch norm; see `mode_reads`). Calling a Program runs its graph eagerly, which is handy as a reference. Printing
     it shows code.
     """
 

@@ -100,9 +100,9 @@ class ScopeRecorder:
         """Scopes per node, outermost first (scopes close inner to outer, so the lists are reversed)."""
         return {node: tuple(reversed(scopes)) for node, scopes in self.scopes_of.items()}
 
-    def module_modes(self) -> tuple[tuple[torch.nn.Module, bool], ...]:
-        """Every module called while tracing, with its `training` flag, in order of first call."""
-        return tuple((module, module.training) for module in self._modules.values())
+    def called_modules(self) -> tuple[torch.nn.Module, ...]:
+        """Every module called while tracing, in order of first call."""
+        return tuple(self._modules.values())
 
     @contextlib.contextmanager
     def module_hooks(self) -> Iterator[None]:

@@ -37,6 +37,7 @@ from .compat import (
 )
 from .errors import DynaflowError, InputError, TraceError, is_library_file
 from .program import InputSpec, NodeInfo, OutputSpec, Program, op_name
+from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 from .tree import TensorSpec
 
@@ -107,8 +108,9 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
         captured["recorder"] = recorder
-        with recording(recorder), fx_tracing_flag_cleared():
+        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
             result = body(*call_args, **call_kwargs)
+        captured["mode_reads"] = dict(mode_reads)
         out_paths, out_leaves, out_tree = tree.flatten(result)
         captured["out"] = (out_paths, out_leaves, out_tree)
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
@@ -142,8 +144,19 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         provenance=("trace", *provenance),
         source=TraceSource(fn, body, abstract_args, abstract_kwargs),
         captured=closed_over,
-        module_modes=recorder.module_modes(),
+        module_modes=_module_modes(captured["mode_reads"], recorder.called_modules()),
     )
+
+
+def _module_modes(reads: dict[int, tuple[torch.nn.Module, bool]],
+                  called: Sequence[torch.nn.Module]) -> tuple[tuple[torch.nn.Module, bool], ...]:
+    """The modules whose train/eval mode the trace depends on, with the mode it saw: those whose flag
+    was read, and called modules whose class defines `training` itself (their reads are not seen)."""
+    modes = dict(reads)
+    for module in called:
+        if id(module) not in modes and shadows_flag(module):
+            modes[id(module)] = (module, module.training)
+    return tuple(modes.values())
 
 
 def _check_one_device(specs: dict[int, TensorSpec], path_strs: Sequence[str]) -> None:

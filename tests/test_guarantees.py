@@ -49,6 +49,70 @@ def test_a_submodule_switched_alone_is_seen():
     assert fast.cache_info().misses == 2
 
 
+def test_a_mode_read_without_calling_the_module_is_seen():
+    model = nn.Linear(8, 8)
+
+    def scaled(x):
+        return x * 2 if model.training else x
+
+    fast = df.jit(scaled)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(fast(x), scaled(x), rtol=0, atol=0)
+    model.eval()
+    torch.testing.assert_close(fast(x), scaled(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 2
+
+
+def test_modes_that_the_trace_did_not_read_do_not_retrace():
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).train()
+    fast = df.jit(lambda x: model(x))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        fast(x)
+        model.eval()
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 1
+
+
+class ModeAsProperty(nn.Module):
+    """A module whose class defines `training` itself, as a property over a private flag."""
+
+    def __init__(self):
+        super().__init__()
+        self._mode = True
+
+    @property
+    def training(self):
+        return self._mode
+
+    @training.setter
+    def training(self, value):
+        self._mode = value
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, self.training)
+
+
+def test_a_module_class_defining_training_itself_is_still_checked():
+    model = ModeAsProperty()
+    fast = df.jit(lambda x: model(x))
+    x = torch.randn(64, 8) + 2
+    assert (fast(x) == 0).any()
+    model.eval()
+    torch.testing.assert_close(fast(x), x, rtol=0, atol=0)
+
+
+def test_modes_read_while_tracing_are_read_as_before_on_other_threads():
+    model = DropoutNet().eval()
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(model.drop.training for _ in range(20000)))
+    fast = df.jit(lambda x: model(x))
+    reader.start()
+    fast(torch.randn(4, 32))
+    reader.join()
+    assert seen == [False] * 20000 and "training" not in nn.Module.__dict__
+
+
 def test_default_dtype_and_autocast_are_part_of_the_key():
     fast = df.jit(lambda x: x @ x.T + torch.ones(x.shape[0]))
     x = torch.randn(4, 4)
