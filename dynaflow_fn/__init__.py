@@ -12,15 +12,15 @@ from . import distributed, optim, transforms
 from .autodiff import grad, value_and_grad
 from .dynamo import CompileBackend, compile_backend
 from .errors import DynaflowError, InputError, ScheduleError, TraceError, TransformError, VerificationError
-from .jit import CacheInfo, Jitted, jit
-from .lower import lower
-from .plan import Plan
-from .program import Program, Stream
+from .ir.program import Program, Stream
+from .jitting.jitted import CacheInfo, Jitted, jit
+from .lowering.lower import lower
+from .plan.plan import Plan
+from .plan.verify import verify
 from .pure import pure
-from .regions import region
-from .trace import trace
+from .tracing.regions import region
+from .tracing.tracer import trace
 from .transforms.schedule import Scheduler
-from .verify import verify
 
 __all__ = [
     "CacheInfo", "CompileBackend", "DynaflowError", "InputError", "Jitted", "Plan", "Program", "ScheduleError", "Scheduler", "Stream",

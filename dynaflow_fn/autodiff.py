@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from . import tree
 from .errors import InputError
+from .ir import tree
 
 
 def _check_differentiable(fn: Callable[..., Any], args: tuple, argnums: int | Sequence[int]) -> None:

@@ -27,10 +27,11 @@ import torch as _torch
 import torch.distributed as _dist
 from torch import Tensor
 
-from . import ops as _ops
-from .compat import OpOverload, default_store, functional_collectives, resolve_process_group
-from .errors import DynaflowError
-from .plan import Plan
+from .compat import OpOverload, default_store, functional_collectives
+from .errors import DistributedError
+from .ir import ops as _ops
+from .plan.plan import Plan
+from .transforms.communicators import comm_group, resolve_group
 
 __all__ = [
     "CHECK_TIMEOUT_S", "DistributedError", "all_reduce", "average", "check_consistent", "collective_signature",
@@ -41,68 +42,14 @@ CHECK_TIMEOUT_S = 60.0
 """How long `check_consistent` (run by df.jit before a new plan's first call) waits for the other ranks."""
 
 
-class DistributedError(DynaflowError):
-    """Ranks disagree about the collectives they are about to run, or a rank did not join in time."""
-
-
-def _group(group: Any) -> Any:
-    if not _dist.is_available() or not _dist.is_initialized():
-        raise DistributedError("no process group is initialized: call torch.distributed.init_process_group "
-                               "(torchrun sets up the environment for it) before tracing collectives")
-    return group if group is not None else _dist.group.WORLD
-
-
 def all_reduce(tensor: Tensor, group: Any = None, op: str = "sum") -> Tensor:
     """Functional all-reduce (a new tensor; the input is unchanged) that traces into a Program."""
-    return functional_collectives().all_reduce(tensor, op, _group(group))
-
-
-def comm_group(max_ctas: int, group: Any = None) -> Any:
-    """A second communicator over the ranks of `group` whose collectives use at most `max_ctas` CUDA
-    thread blocks (NCCL's `max_ctas`, through ProcessGroupNCCL options).
-
-    Why: an all-reduce on the default communicator grabs as many SMs as NCCL likes and only gets them
-    when the GEMMs beside it drain, so it overlaps nothing; with a small budget it runs beside them.
-    On other backends (gloo) the group is a plain copy. Every rank must ask for the same groups in the
-    same order (tracing does, since every rank traces the same program); groups are made once and reused.
-    """
-    group = _group(group)
-    if max_ctas < 1:
-        raise ValueError(f"max_ctas must be at least 1, got {max_ctas}")
-    ranks = tuple(_dist.get_process_group_ranks(group))
-    key = (ranks, max_ctas)
-    if key not in _comm_groups:
-        if _dist.get_backend(group) == "nccl":
-            options = _dist.ProcessGroupNCCL.Options()
-            options.config.max_ctas = max_ctas
-            options.is_high_priority_stream = True
-            _comm_groups[key] = _dist.new_group(list(ranks), backend="nccl", pg_options=options)
-        else:
-            _comm_groups[key] = _dist.new_group(list(ranks))
-    return _comm_groups[key]
-
-
-_comm_groups: dict[tuple, Any] = {}
-
-
-def comm_group_name(group_name: str, max_ctas: int) -> str:
-    """The name of `comm_group(max_ctas)` over the ranks of the group named `group_name`, as functional
-    collectives refer to groups."""
-    return comm_group(max_ctas, resolve_process_group(group_name)).group_name
-
-
-def all_reduce_on_current_stream(tensor: Tensor, reduce_op: str, group_name: str) -> Tensor:
-    """How a plan runs an in-place all-reduce (`_c10d_functional.all_reduce_`): through c10d's blocking
-    call, which launches NCCL on the current stream, i.e. the plan's comm stream with its priority.
-    The functional op would launch on the process group's internal stream and join back through two
-    events, which a CUDA graph keeps as cross-stream edges on every collective."""
-    _dist.all_reduce(tensor, op=getattr(_dist.ReduceOp, reduce_op.upper()), group=resolve_process_group(group_name))
-    return tensor
+    return functional_collectives().all_reduce(tensor, op, resolve_group(group))
 
 
 def shard(tensor: Tensor, dim: int, group: Any = None) -> Tensor:
     """This rank's contiguous slice of `tensor` along `dim` (which the world size must divide)."""
-    group = _group(group)
+    group = resolve_group(group)
     world, rank = _dist.get_world_size(group), _dist.get_rank(group)
     if tensor.shape[dim] % world:
         raise DistributedError(f"cannot shard dimension {dim} of size {tensor.shape[dim]} over {world} ranks")
@@ -122,7 +69,7 @@ def average(tree: Any, group: Any = None, bucket_mb: float = 25.0) -> Any:
     all-reduce runs on the comm stream as soon as its gradients exist, beside the rest of the
     backward pass.
     """
-    group = _group(group)
+    group = resolve_group(group)
     world = _dist.get_world_size(group)
     nccl_averages = _dist.get_backend(group) == "nccl"      # NCCL averages in the all-reduce: no extra pass
     with _optree.dict_insertion_ordered(True, namespace=_INSERTION_ORDER):
@@ -197,7 +144,7 @@ def check_consistent(plan: Plan, group: Any = None, timeout: float | None = None
     than the others (a smaller last batch on one rank of a data-parallel job retraces that rank
     alone), the timeout names the argument whose shape differs.
     """
-    group = _group(group)
+    group = resolve_group(group)
     world = _dist.get_world_size(group)
     if world == 1:
         return

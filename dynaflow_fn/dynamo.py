@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from .errors import InputError
-from .jit import Jitted, jit
+from .jitting.jitted import Jitted, jit
 
 
 class CompileBackend:

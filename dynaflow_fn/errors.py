@@ -33,6 +33,10 @@ class ScheduleError(DynaflowError):
     """A Scheduler produced an issue order or stream assignment that is not a valid schedule."""
 
 
+class DistributedError(DynaflowError):
+    """Ranks disagree about the collectives they are about to run, or a rank did not join in time."""
+
+
 class VerificationError(DynaflowError):
     """A Plan failed the static happens-before check: some read or buffer reuse is not ordered."""
 

@@ -36,7 +36,7 @@ import torch as _torch
 from torch import Tensor
 
 from .errors import InputError
-from .program import dtype_name
+from .ir.program import dtype_name
 
 __all__ = ["Optimizer", "adamw", "sgd"]
 

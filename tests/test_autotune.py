@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn import autotune
+from dynaflow_fn.jitting import autotune
 from models import MLP
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
-from dynaflow_fn import ops
+from dynaflow_fn.ir import ops
 from dynaflow_fn import transforms as T
 from models import llama_logits, tiny_llama
 
@@ -97,7 +97,7 @@ def test_each_micro_batch_of_a_scheduled_program_gets_the_causal_kernel():
 
 
 def test_a_mask_that_cannot_be_computed_ahead_is_kept(monkeypatch):
-    from dynaflow_fn import causal
+    from dynaflow_fn.passes import causal
 
     def fails(*args):
         raise RuntimeError("cannot run ahead of time")

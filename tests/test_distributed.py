@@ -121,8 +121,8 @@ def _on_a_dedicated_communicator(rank, world):
 
 def _carveouts_match_concurrency(plan):
     """Whether exactly the kernels unordered with some collective leave SMs to it: (ok, how many do)."""
-    from dynaflow_fn import ops
-    from dynaflow_fn.ordering import Clocks
+    from dynaflow_fn.ir import ops
+    from dynaflow_fn.plan.ordering import Clocks
 
     clocks = Clocks(plan.steps, len(plan.streams))
     collectives = [s.index for s in plan.steps if ops.launches_collective(s.op)]
@@ -173,7 +173,7 @@ def test_inductor_compiles_around_collectives_on_every_rank():
 
 def _every_collective(rank, world):
     import torch.distributed._functional_collectives as funcol
-    from dynaflow_fn.program import info
+    from dynaflow_fn.ir.program import info
 
     all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -404,7 +404,7 @@ def test_tensor_parallel_example_says_comm_ctas_applies_only_on_nccl(monkeypatch
 def _auto_on_two_ranks(rank, world):
     import tempfile
 
-    from dynaflow_fn import autotune
+    from dynaflow_fn.jitting import autotune
 
     os.environ["DYNAFLOW_CACHE_DIR"] = tempfile.mkdtemp()
     preferred = "microbatch2-roundrobin" if rank == 0 else "microbatch2-tbo"

@@ -366,7 +366,7 @@ def test_auto_with_in_axes_that_cannot_apply_says_so(tmp_path, monkeypatch):
 
 
 def test_an_auto_decision_is_keyed_by_the_candidates_it_chose_among():
-    from dynaflow_fn import autotune
+    from dynaflow_fn.jitting import autotune
 
     fn = lambda x: x * 2                                              # noqa: E731
     device = torch.device("cpu")

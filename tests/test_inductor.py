@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn import inductor
+from dynaflow_fn.passes import inductor
 from dynaflow_fn import transforms as T
 from models import MLP, Block, llama_logits, tiny_llama
 

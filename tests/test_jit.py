@@ -68,7 +68,7 @@ def test_a_tensor_changed_in_place_in_layout_traces_again():
 
 
 def test_the_call_guard_knows_a_pinned_tensor_by_identity_and_version():
-    from dynaflow_fn.guard import Guard, call_state
+    from dynaflow_fn.jitting.guard import Guard, call_state
 
     weight, x = torch.randn(3), torch.randn(3)
     leaves, treedef = optree.tree_flatten(((weight, x, 2), {}))

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn.plan import StepKind, StorageKind
+from dynaflow_fn.plan.plan import StepKind, StorageKind
 from models import MLP, Block, llama_logits, tiny_llama
 
 
@@ -194,7 +194,7 @@ def test_parts_of_a_concatenation_are_not_overwritten_in_place():
 
 
 def test_a_step_marked_to_leave_sms_runs_under_the_carveout_and_restores_it(monkeypatch):
-    from dynaflow_fn.plan import Step
+    from dynaflow_fn.plan.plan import Step
     from dynaflow_fn.runtime.interpreter import compile_step
 
     carveout = {"value": None}

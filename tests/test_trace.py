@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn.program import info
+from dynaflow_fn.ir.program import info
 from models import MLP, Block, llama_logits, tiny_llama
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
-from dynaflow_fn.plan import StepKind
+from dynaflow_fn.plan.plan import StepKind
 from example_loader import load_example
 from models import MLP, llama_logits, tiny_llama
 

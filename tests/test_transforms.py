@@ -6,8 +6,8 @@ import torch
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
-from dynaflow_fn.plan import StepKind
-from dynaflow_fn.program import info
+from dynaflow_fn.plan.plan import StepKind
+from dynaflow_fn.ir.program import info
 from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
 
 STRATEGIES = ["sequential", "roundrobin", "tbo", "branches"]
@@ -56,7 +56,7 @@ def test_every_strategy_equals_eager_and_the_sequential_microbatched_program(mod
 def _stage_order(pace):
     """For a TBO plan of the tiny Llama: per pair of stages (a, b) of different micro-batches, whether
     every step of a happens before every step of b, and the pacing edges the schedule asked for."""
-    from dynaflow_fn.ordering import Clocks
+    from dynaflow_fn.plan.ordering import Clocks
 
     fn, params, make, rules = _model("llama")
     program = df.trace(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=rules),

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dynaflow_fn as df
-from dynaflow_fn import memory
+from dynaflow_fn.lowering import memory
 from dynaflow_fn import transforms as T
-from dynaflow_fn.plan import StepKind
-from dynaflow_fn.program import Stream
+from dynaflow_fn.plan.plan import StepKind
+from dynaflow_fn.ir.program import Stream
 
 UNARY = {"tanh": torch.tanh, "relu": torch.relu, "neg": torch.neg, "exp_clip": lambda v: v.clamp(-3, 3).exp()}
 BINARY = {"add": torch.add, "mul": torch.mul, "sub": torch.sub}

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import compat
-from ..plan import Plan
+from ..plan.plan import Plan
 from .interpreter import BoundPlan
 from .turns import Turns
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..plan import Plan
+from ..plan.plan import Plan
 from .interpreter import BoundPlan
 from .turns import Turns
 

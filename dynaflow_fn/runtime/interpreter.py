@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .. import distributed
 from ..compat import sm_carveout, sm_carveout_supported
-from ..plan import Plan, Ref, Slot, Step, StepKind, StorageKind
+from ..plan.plan import Plan, Ref, Slot, Step, StepKind, StorageKind
+from .collectives import all_reduce_on_current_stream
 
 Env = list
 
@@ -34,7 +34,7 @@ def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
     return typed.as_strided(layout.shape, layout.stride, start // layout.itemsize + layout.storage_offset)
 
 
-_RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: distributed.all_reduce_on_current_stream}
+_RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: all_reduce_on_current_stream}
 """Plan ops that run through another function with the same effect (see each function)."""
 
 

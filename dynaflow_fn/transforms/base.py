@@ -16,8 +16,8 @@ import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
-from ..program import Program
-from ..trace import trace_function
+from ..ir.program import Program
+from ..tracing.tracer import trace_function
 
 
 class Pass:

@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from .. import ops
 from ..compat import OpOverload
-from ..program import info, op_name
+from ..ir import ops
+from ..ir.program import info, op_name
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ import torch
 from torch import fx
 
 from ..compat import outside_current_trace
-from ..program import Program
-from ..trace import trace_function
-from ..tree import TensorSpec
+from ..ir.program import Program
+from ..ir.tree import TensorSpec
+from ..tracing.tracer import trace_function
 from .batch_rows import Reduced, Rows, State, follow_rows, reads_values
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from ..errors import TransformError, warn
-from ..program import Program
-from ..regions import active_recorder
-from ..trace import trace_function
-from ..tree import TensorSpec, argument_names, output_path_to_str, path_to_str
+from ..ir.program import Program
+from ..ir.tree import TensorSpec, argument_names, output_path_to_str, path_to_str
+from ..tracing.regions import active_recorder
+from ..tracing.tracer import trace_function
 from .base import Pass, apply_transform
 from .microbatch_body import BodyFacts, merge_warning, study_body, studying
 

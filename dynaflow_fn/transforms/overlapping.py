@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, Sequence
 
 from ..errors import ScheduleError, TransformError
-from ..program import NodeInfo, Program, Stream, copy_graph_module, info
+from ..ir.program import NodeInfo, Program, Stream, copy_graph_module, info
 from .base import Pass, apply_transform, record
 from .partitioning import Kind, PartitionPass
 from .schedule import Issue, Scheduler, StageGraph, resolve
@@ -59,7 +59,8 @@ class OverlapPass(Pass):
 
 def _on_comm_group(program: Program, max_ctas: int) -> Program:
     """The program with every collective moved to a communicator of at most `max_ctas` thread blocks."""
-    from .. import distributed, ops
+    from ..ir import ops
+    from .communicators import comm_group_name
 
     graph_module, _ = copy_graph_module(program.graph_module)
     for node in graph_module.graph.nodes:
@@ -69,7 +70,7 @@ def _on_comm_group(program: Program, max_ctas: int) -> Program:
         if group is None:
             continue
         node.args, node.kwargs = ops.replace_arguments(
-            node.target, node.args, node.kwargs, {"group_name": distributed.comm_group_name(group, max_ctas)})
+            node.target, node.args, node.kwargs, {"group_name": comm_group_name(group, max_ctas)})
     return program.with_graph(graph_module)
 
 

@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from .. import cost, ops
 from ..errors import InputError, TransformError, warn
-from ..program import NodeInfo, Program, info, op_name
-from ..regions import Scope
+from ..ir import cost, ops
+from ..ir.program import NodeInfo, Program, info, op_name
+from ..ir.scopes import Scope
 from .base import Pass, apply_transform, record
 
 

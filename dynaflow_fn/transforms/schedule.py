@@ -25,9 +25,9 @@ from typing import Sequence
 
 from torch import fx
 
-from .. import cost
 from ..errors import InputError, ScheduleError
-from ..program import Program, Stream, info
+from ..ir import cost
+from ..ir.program import Program, Stream, info
 
 COMM_PRIORITY = -1
 

@@ -14,38 +14,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 from torch import fx
 from torch.nn.modules import module as nn_module
 
-ScopeKind = Literal["module", "region", "microbatch"]
-
-
-@dataclass(frozen=True)
-class Scope:
-    """One dynamic instance of a module call, a region block or a micro-batch body.
-
-    `instance` distinguishes two calls of the same module (or two blocks with the same region
-    name): partition rules cut around instances, never merge them unless asked to.
-    """
-
-    kind: ScopeKind
-    name: str
-    instance: int
-    module_type: type | None = None
-    index: int | None = None
-
-    def __str__(self) -> str:
-        if self.kind == "module":
-            label = self.module_type.__name__ if self.module_type is not None else "?"
-            return f"{self.name}:{label}" if self.name else label
-        if self.kind == "microbatch":
-            return f"mb{self.index}"
-        return f"region({self.name})"
-
+from ..ir.scopes import Scope, ScopeKind
 
 def last_node(graph: fx.Graph) -> fx.Node | None:
     """The node appended last, or None for an empty graph."""

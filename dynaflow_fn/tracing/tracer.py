@@ -22,9 +22,7 @@ import optree
 import torch
 from torch import fx
 
-from . import ops, tree
-from .closure import lift_captured
-from .compat import (
+from ..compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorModeWithFallback,
@@ -35,11 +33,14 @@ from .compat import (
     make_fx,
     quiet_meta_failures,
 )
-from .errors import DynaflowError, InputError, TraceError, is_library_file
-from .program import InputSpec, NodeInfo, OutputSpec, Program, op_name
+from ..errors import DynaflowError, InputError, TraceError, is_library_file
+from ..ir import ops, tree
+from ..ir.analyses import eliminate_dead_code
+from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program, op_name
+from ..ir.tree import TensorSpec
+from .closure import lift_captured
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
-from .tree import TensorSpec
 
 _TRACING = threading.RLock()
 """make_fx and FX keep process-wide state while they trace (the patcher, the fx-tracing flag), so
@@ -202,17 +203,6 @@ def _rebuild(traced: fx.GraphModule, input_names: Sequence[str], scopes: dict[fx
     for old, new in node_map.items():
         new.meta["df"] = NodeInfo(scopes=scopes.get(old, ()))
     return fx.GraphModule(traced, graph)
-
-
-def eliminate_dead_code(graph: fx.Graph) -> None:
-    """Drop nodes nobody uses, keeping mutations (the `copy_` write-backs into inputs)."""
-    for node in reversed(list(graph.nodes)):
-        if node.op not in ("call_function", "get_attr") or node.users:
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            continue
-        graph.erase_node(node)
 
 
 class _ScopeCarrier(fx.Interpreter):

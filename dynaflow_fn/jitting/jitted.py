@@ -21,19 +21,21 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from . import autotune, compat, distributed, tree
-from .causal import use_causal_kernels
-from .errors import InputError, warn
+from .. import compat, distributed
+from ..errors import InputError, warn
+from ..ir import tree
+from ..ir.program import Program, dtype_name
+from ..ir.tree import TensorSpec
+from ..lowering.lower import lower
+from ..passes.causal import use_causal_kernels
+from ..passes.inductor import compile_stages
+from ..plan.plan import Plan
+from ..plan.verify import verify
+from ..runtime.cudagraph import AdoptedInputMoved, CudaGraphExecutable
+from ..runtime.eager import EagerExecutable
+from ..tracing.tracer import trace
+from . import autotune
 from .guard import Guard, call_state, check_no_aliasing, modes_unchanged, picker, signature
-from .inductor import compile_stages
-from .lower import lower
-from .plan import Plan
-from .program import Program, dtype_name
-from .runtime.cudagraph import AdoptedInputMoved, CudaGraphExecutable
-from .runtime.eager import EagerExecutable
-from .trace import trace
-from .tree import TensorSpec
-from .verify import verify
 
 BACKENDS = ("auto", "eager", "cudagraph", "inductor")
 RETRACE_WARNING_ENTRIES = 8

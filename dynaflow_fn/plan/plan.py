@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import optree
 import torch
 
-from .program import Captured, InputSpec, OutputSpec, Stream, dtype_name, format_arg, op_name
+from ..ir.program import Captured, InputSpec, OutputSpec, Stream, dtype_name, format_arg, op_name
 
 
 class StorageKind(str, enum.Enum):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 _STATIC_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
                  torch.memory_format, torch.layout, enum.Enum, slice, type(Ellipsis))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..compat import StorageWeakRef
 from . import ops
-from .compat import StorageWeakRef
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,14 @@ import optree
 import torch
 from torch import fx
 
-from . import memory, ops
-from .compat import OpOverload, StorageWeakRef
-from .errors import InputError, ScheduleError
-from .ordering import Clocks
-from .plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind, step_reads, step_writes
-from .program import Program, contiguous_strides, dtype_name, info
+from ..compat import OpOverload, StorageWeakRef
+from ..errors import InputError, ScheduleError
+from ..ir import ops
+from ..ir.analyses import setup_nodes
+from ..ir.program import Program, contiguous_strides, dtype_name, info
+from ..plan.ordering import Clocks
+from ..plan.plan import Layout, Plan, Ref, Slot, Step, StepKind, Storage, StorageKind, step_reads, step_writes
+from . import memory
 from .reinplace import inplace_variant, mutated_arguments, plan_inplace
 
 
@@ -560,16 +562,6 @@ class _Lowering:
             start = slot.byte_range()[0]
             slots.append(replace(slot, storage=new_index[storage], byte_offset=span[0] - start))
         return storages, tuple(slots), layout.nbytes
-
-
-def setup_nodes(program: Program) -> set[fx.Node]:
-    """The nodes lowering computes once, at setup: the program's constants and the deterministic work
-    that reads only them (masks, position ids, rotary tables)."""
-    independent = {n for n in program.graph.nodes if n.op == "get_attr"}
-    for node in program.ops():
-        if ops.can_precompute(node.target) and all(dep in independent for dep in node.all_input_nodes):
-            independent.add(node)
-    return independent
 
 
 def _leave_sms_to_collectives(steps: tuple[Step, ...], clocks: Clocks, sms: int | None) -> tuple[Step, ...]:

@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 
-from . import tree
-from .program import Captured
+from ..ir import tree
+from ..ir.program import Captured
 
 _LIFT_FRESH = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
 

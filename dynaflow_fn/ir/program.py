@@ -17,8 +17,8 @@ import optree
 import torch
 from torch import fx
 
-from .compat import OpOverload
-from .regions import Scope
+from ..compat import OpOverload
+from .scopes import Scope
 
 _DTYPE_NAMES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import ops
-from .compat import OpOverload
-from .lower import setup_nodes
-from .program import Program, copy_graph_module
-from .trace import eliminate_dead_code
+from ..compat import OpOverload
+from ..ir import ops
+from ..ir.analyses import setup_nodes
+from ..ir.analyses import eliminate_dead_code
+from ..ir.program import Program, copy_graph_module
 
 MASK_ARGUMENTS = ("attn_mask", "attn_bias")
 BLOCKED = torch.finfo(torch.float16).min       # an additive bias this low blocks a position

@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import compat
-from .errors import InputError
+from .. import compat
+from ..errors import InputError
 
 _VERSION = operator.attrgetter("_version")
 _TRAINING = operator.attrgetter("training")

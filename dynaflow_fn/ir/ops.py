@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .compat import OpOverload, has_kernel_for
+from ..compat import OpOverload, has_kernel_for
 
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, VerificationError
+from ..errors import InputError, VerificationError
+from ..ir.program import Program
 from .ordering import Clocks
 from .plan import Plan, StepKind, StorageKind, format_step
-from .program import Program
 
 
 def verify(plan: Plan) -> Plan:

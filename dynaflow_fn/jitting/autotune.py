@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from . import transforms as T
-from .trace import trace
+from .. import transforms as T
+from ..tracing.tracer import trace
 
 NO_OVERLAP = "none"
 MARGIN = 0.02

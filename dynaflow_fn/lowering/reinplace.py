@@ -23,9 +23,9 @@ import optree
 import torch
 from torch import fx
 
-from . import ops
-from .compat import OpOverload, StorageWeakRef, has_internal_overlap
-from .plan import Layout
+from ..compat import OpOverload, StorageWeakRef, has_internal_overlap
+from ..ir import ops
+from ..plan.plan import Layout
 
 
 def inplace_variant(op: object) -> OpOverload | None:

@@ -30,12 +30,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from . import ops
-from .compat import OpOverload, compile_with_inductor
-from .errors import warn
-from .lower import setup_nodes
-from .program import NodeInfo, Program, info, op_name
-from .transforms.base import Pass, record
+from ..compat import OpOverload, compile_with_inductor
+from ..errors import warn
+from ..ir import ops
+from ..ir.analyses import setup_nodes
+from ..ir.program import NodeInfo, Program, info, op_name
+from ..transforms.base import Pass, record
 
 NO_INDUCTOR = "no-inductor"
 
