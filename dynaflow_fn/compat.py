@@ -17,13 +17,15 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx
 
+from .errors import MetaKernelRejection
+
 __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode", "OpOverload", "StorageWeakRef",
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
     "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "inductor_compiler", "make_fx",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
-    "data_ptrs_equal", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback", "MetaKernelRejection",
+    "data_ptrs_equal", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "outside_current_trace",
 ]
 
@@ -38,16 +40,6 @@ from torch._subclasses.fake_tensor import (  # noqa: E402
     UnsupportedOperatorException,
 )
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: E402
-
-
-class MetaKernelRejection(RuntimeError):
-    """An op's fake (meta) kernel rejected its inputs, and so did the real kernel (`confirmed`), or no
-    real kernel could be asked (the meta device, an op outside aten)."""
-
-    def __init__(self, op: Any, message: str, confirmed: bool):
-        super().__init__(message)
-        self.op = op
-        self.confirmed = confirmed
 
 
 class FakeTensorModeWithFallback(FakeTensorMode):

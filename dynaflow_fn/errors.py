@@ -45,6 +45,16 @@ _LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torc
 _GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
 
 
+class MetaKernelRejection(RuntimeError):
+    """An op's fake (meta) kernel rejected its inputs, and so did the real kernel (`confirmed`), or no
+    real kernel could be asked (the meta device, an op outside aten)."""
+
+    def __init__(self, op: object, message: str, confirmed: bool):
+        super().__init__(message)
+        self.op = op
+        self.confirmed = confirmed
+
+
 def is_library_file(filename: str) -> bool:
     """Whether code in `filename` belongs to dynaflow_fn or a library it runs the user's code through
     (torch, optree, torch.fx's generated code), rather than to the user."""

@@ -26,14 +26,13 @@ from ..compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorModeWithFallback,
-    MetaKernelRejection,
     UnsupportedOperatorException,
     fx_tracing_flag_cleared,
     get_proxy_mode,
     make_fx,
     quiet_meta_failures,
 )
-from ..errors import DynaflowError, InputError, TraceError, is_library_file
+from ..errors import DynaflowError, InputError, MetaKernelRejection, TraceError, is_library_file
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
 from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program, op_name
