@@ -3,7 +3,7 @@
   eager            plain PyTorch, one Python call per op
   compile-ro       torch.compile(mode="reduce-overhead") (CUDA graphs through cudagraph trees)
   hand-graph       a torch.cuda.graph captured by hand: copy input, replay, clone output
-  df.jit           dynaflow_fn.jitting.jitted with the default cudagraph backend, called as fast(params, x)
+  df.jit           dynaflow_fn.jit with the default cudagraph backend, called as fast(params, x)
   df.jit-closure   the same with the parameters closed over, called as fast(x): no pytree of
                    parameters to flatten and check on each call
 
