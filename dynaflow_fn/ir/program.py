@@ -263,7 +263,7 @@ def annotation_str(node_info: NodeInfo) -> str:
     modules = [s for s in node_info.scopes if s.kind == "module"]
     if modules:
         parts.append(str(modules[-1]))
-    parts += [str(s) for s in node_info.scopes if s.kind == "region"]
+    parts += [str(s) for s in node_info.scopes if s.kind in ("region", "substitution")]
     if node_info.mb is not None:
         parts.append(f"mb={node_info.mb}")
     if node_info.stage is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ScopeKind = Literal["module", "region", "microbatch"]
+ScopeKind = Literal["module", "region", "microbatch", "substitution"]
 
 
 @dataclass(frozen=True)
@@ -32,4 +32,6 @@ class Scope:
             return f"{self.name}:{label}" if self.name else label
         if self.kind == "microbatch":
             return f"mb{self.index}"
+        if self.kind == "substitution":
+            return f"substituted by {self.name}"
         return f"region({self.name})"

@@ -2,6 +2,7 @@
 
     step = T.microbatch(fn, num=2, in_axes=(None, 0))     # split the batch, merge the outputs
     step = T.partition(step, rules=[T.Region("attn")])    # cut into stages
+    step = T.substitute(step, {T.Region("attn"): flash})   # run your own kernel for a region or module
     step = T.overlap(step, strategy="tbo")                # order the stages on streams
     fast = df.jit(step)
 """
@@ -11,8 +12,10 @@ from .microbatching import microbatch
 from .overlapping import overlap
 from .partitioning import Kind, Module, Op, Region, Rule, partition
 from .schedule import TBO, Branches, Issue, RoundRobin, Scheduler, Sequential, Stage, StageGraph
+from .substituting import substitute
 
 __all__ = [
     "Branches", "Issue", "Kind", "Module", "Op", "Pass", "Region", "RoundRobin", "Rule", "Scheduler", "Sequential",
     "Stage", "StageGraph", "TBO", "Transformed", "compose", "microbatch", "overlap", "partition",
+    "substitute",
 ]

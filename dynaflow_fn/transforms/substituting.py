@@ -1,0 +1,239 @@
+"""`T.substitute`: run your own implementation where a rule matches, without editing the model.
+
+    fast_norm = T.substitute(fn, {T.Module(LlamaRMSNorm): fused_rms_norm})     # impl(module, x)
+    fast_attn = T.substitute(fn, {T.Region("attn"): flash_decode})            # impl(*region inputs)
+
+A `T.Module` rule is a lookaside, as in Lightning Thunder: while tracing, each call of a matching
+module runs `impl(module, *args, **kwargs)` instead of its `forward`, so `impl` may read the
+module's parameters. A `T.Region` rule replaces the nodes traced inside a `with df.region(name)`
+block: `impl` is called with the tensors the block reads from outside, in the order the block first
+reads them, and returns what the block produced that later code reads, in the order the block
+computed them (one tensor, or a tuple). The Program's provenance line names both lists. In both cases the outputs' shapes, dtypes and strides
+must be the original's, checked while tracing; `check=True` also runs each region and its `impl`
+on random inputs of the traced shapes and requires them to agree within a tolerance per dtype.
+
+`impl` may be any traceable PyTorch code: aten ops, `torch.nn.functional`, a
+`torch.library.custom_op` with a fake implementation (a Triton kernel wrapped as one). Substituted
+nodes print with the rule that placed them, keep the scopes of what they replaced (so partition
+rules and schedulers see them like any other node) and compose with `microbatch` and `overlap`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator, Mapping
+
+import optree
+import torch
+
+from ..compat import get_proxy_mode
+from ..errors import InputError, TransformError
+from ..ir import ops
+from ..ir.program import NodeInfo, Program, copy_graph_module, info, type_str
+from ..ir.scopes import Scope
+from ..tracing.regions import active_recorder, last_node, nodes_after
+from ..tracing.tracer import trace_function
+from .base import Pass, apply_transform, record
+from .partitioning import Module, Region, Rule
+from .splicing import DEFAULT_TOLERANCES, Region as Match, check_agrees, splice, trace_impl
+
+
+def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None = None, *, check: bool = False,
+               tolerances: Mapping[torch.dtype, tuple[float, float]] | None = None) -> Any:
+    """Replace what each rule matches by its implementation (see the module docstring).
+
+    rules: `{T.Module(cls_or_regex): impl(module, *args, **kwargs), T.Region(name): impl(*inputs)}`.
+        Every rule must match at least once.
+    check: run each matched region and its impl on random inputs and require agreement within
+        `tolerances` ((rtol, atol) per dtype; default torch.testing.assert_close's), raising a
+        TransformError that shows the largest difference otherwise. Module rules are checked for
+        output layouts only: their original runs inside the module, on the trace's values.
+    """
+    if rules is None and isinstance(fn, Mapping):
+        fn, rules = None, fn
+    if not isinstance(rules, Mapping) or not rules:
+        raise InputError("T.substitute takes a dict of rules to implementations, e.g. "
+                         "T.substitute(fn, {T.Region('attn'): my_attention})")
+    for rule, impl in rules.items():
+        if not isinstance(rule, (Module, Region)):
+            raise InputError(f"T.substitute takes T.Module and T.Region rules, got {rule!r}")
+        if not callable(impl):
+            raise InputError(f"the implementation for {rule} must be callable, got {type(impl).__name__}")
+    module_rules = {rule: impl for rule, impl in rules.items() if isinstance(rule, Module)}
+    region_rules = {rule: impl for rule, impl in rules.items() if isinstance(rule, Region)}
+    limits = {**DEFAULT_TOLERANCES, **(tolerances or {})}
+    passes = ([ModuleLookaside(module_rules)] if module_rules else []) + \
+             ([RegionSubstitution(region_rules, check, limits)] if region_rules else [])
+
+    def transform(target: Any) -> Any:
+        for p in passes:
+            target = apply_transform(target, p)
+        return target
+    return transform if fn is None else transform(fn)
+
+
+class RegionSubstitution(Pass):
+    """Splice each matched region's replacement into the Program (see `splicing`)."""
+
+    def __init__(self, rules: Mapping[Region, Callable[..., Any]], check: bool,
+                 tolerances: Mapping[torch.dtype, tuple[float, float]]):
+        self.rules, self.check, self.tolerances = dict(rules), check, dict(tolerances)
+
+    def apply(self, program: Program) -> Program:
+        if program.is_scheduled():
+            raise TransformError("substitute after overlap: the schedule was made for the original nodes. "
+                                 "Apply substitute before overlap.")
+        graph_module, _ = copy_graph_module(program.graph_module)
+        for rule, impl in self.rules.items():
+            matches: dict[Any, list] = {}
+            for node in graph_module.graph.nodes:
+                key = rule.match(node, info(node)) if node.op == "call_function" else None
+                if key is not None:
+                    matches.setdefault(key, []).append(node)
+            if not matches:
+                raise TransformError(f"{rule} matched nothing: {rule.unmatched_hint(program)}")
+            for nodes in matches.values():
+                match = Match(nodes)
+                replacement = trace_impl(impl, match, str(rule))
+                if self.check:
+                    check_agrees(graph_module, match, impl, str(rule), self.tolerances)
+                splice(graph_module, match, replacement, Scope("substitution", str(rule), 0))
+        graph_module.graph.lint()
+        graph_module.recompile()
+        return record(program, program.with_graph(graph_module), self)
+
+    def describe(self) -> str:
+        rules = ", ".join(f"{rule} -> {_name(impl)}" for rule, impl in self.rules.items())
+        return f"substitute({rules}{', check=True' if self.check else ''})"
+
+
+class ModuleLookaside(Pass):
+    """While tracing, calls of matching modules run `impl(module, *args, **kwargs)` instead."""
+
+    def __init__(self, rules: Mapping[Module, Callable[..., Any]]):
+        self.rules = dict(rules)
+
+    def wrap_body(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        def looked_aside(*args: Any, **kwargs: Any) -> Any:
+            calls = {rule: 0 for rule in self.rules}
+            with _redirected(_modules_reached(body), self.rules, calls):
+                result = body(*args, **kwargs)
+            unmatched = [str(rule) for rule, count in calls.items() if not count]
+            if unmatched:
+                raise TransformError(f"{', '.join(unmatched)} matched no module call while tracing; a T.Module "
+                                     f"rule matches a module class (or a regex on qualified or class names) "
+                                     f"of the modules the function reaches")
+            return result
+        return functools.update_wrapper(looked_aside, body, updated=())
+
+    def apply(self, program: Program) -> Program:
+        """On a Program: trace its source again with the lookasides, then redo the passes it had."""
+        source = program.source
+        if source is None:
+            raise TransformError("substitute needs the function a Program was traced from; this Program has none")
+        new = trace_function(source.fn, source.args, source.kwargs, body=self.wrap_body(source.body))
+        for p in program.passes:
+            new = p.apply(new)
+        return record(program, new, self)
+
+    def describe(self) -> str:
+        return f"substitute({', '.join(f'{rule} -> {_name(impl)}' for rule, impl in self.rules.items())})"
+
+
+def _modules_reached(body: Callable[..., Any]) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) for the modules `body` can reach: the module of a `df.pure` function,
+    modules it closes over and globals it names, with their submodules."""
+    roots: list[tuple[str, torch.nn.Module]] = []
+    target = getattr(body, "__dynaflow_module__", None)
+    if isinstance(target, torch.nn.Module):
+        roots.append(("", target))
+    function = getattr(body, "__wrapped__", body)
+    code = getattr(function, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(function, "__closure__", None) or ()):
+        with contextlib.suppress(ValueError):
+            if isinstance(cell.cell_contents, torch.nn.Module):
+                roots.append((name, cell.cell_contents))
+    for name in getattr(code, "co_names", ()):
+        value = getattr(function, "__globals__", {}).get(name)
+        if isinstance(value, torch.nn.Module):
+            roots.append((name, value))
+    seen, reached = set(), []
+    for prefix, root in roots:
+        for name, module in root.named_modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                reached.append((name if root is target else ".".join(p for p in (prefix, name) if p), module))
+    return reached
+
+
+@contextlib.contextmanager
+def _redirected(modules: list[tuple[str, torch.nn.Module]], rules: Mapping[Module, Callable[..., Any]],
+                calls: dict[Module, int]) -> Iterator[None]:
+    """Give each matching module an instance `forward` that runs the rule's impl on this thread."""
+    patched = []
+    for name, module in modules:
+        rule = next((r for r in rules if r.match(None, NodeInfo(scopes=(Scope("module", name, 0, type(module)),)))
+                     is not None), None)
+        if rule is not None:
+            previous = module.__dict__.get("forward")
+            module.forward = _lookaside(module, rule, rules[rule], previous or module.forward, calls)
+            patched.append((module, previous))
+    try:
+        yield
+    finally:
+        for module, previous in reversed(patched):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], original: Callable[..., Any],
+               calls: dict[Module, int]) -> Callable[..., Any]:
+    owner = threading.get_ident()
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        recorder = active_recorder()
+        if threading.get_ident() != owner or recorder is None:
+            return original(*args, **kwargs)
+        expected = _traced_and_dropped(original, args, kwargs)
+        graph = get_proxy_mode().tracer.graph
+        start = last_node(graph)
+        with recorder.scope("substitution", str(rule)):
+            result = impl(module, *args, **kwargs)
+        written = [node for node in nodes_after(graph, start) if ops.is_mutating(node.target)]
+        if written:
+            raise TransformError(f"the implementation for {rule} writes {written[0].args[0]} in place; it must "
+                                 f"return new tensors and leave its inputs unchanged")
+        _check_layouts(rule, expected, result)
+        calls[rule] += 1
+        return result
+    return forward
+
+
+def _traced_and_dropped(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """What the original forward returns, traced for its layout only: its nodes leave the graph."""
+    graph = get_proxy_mode().tracer.graph
+    start = last_node(graph)
+    expected = original(*args, **kwargs)
+    for node in reversed(nodes_after(graph, start)):
+        graph.erase_node(node)
+    return expected
+
+
+def _check_layouts(rule: Module, expected: Any, result: Any) -> None:
+    want, want_tree = optree.tree_flatten(expected)
+    got, got_tree = optree.tree_flatten(result)
+    if want_tree != got_tree:
+        raise TransformError(f"the implementation for {rule} returns {got_tree}, where the module returns {want_tree}")
+    for index, (a, b) in enumerate(zip(want, got)):
+        if isinstance(a, torch.Tensor) and (not isinstance(b, torch.Tensor) or
+                                            (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride())):
+            raise TransformError(f"the implementation for {rule} returns {type_str(b)} as output {index}, where "
+                                 f"the module returns {type_str(a)}; shapes, dtypes and strides must match")
+
+
+def _name(impl: Callable[..., Any]) -> str:
+    return getattr(impl, "__qualname__", getattr(impl, "__name__", type(impl).__name__))
