@@ -36,7 +36,8 @@ from ..compat import (
 from ..errors import DynaflowError, InputError, TraceError, is_library_file
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
-from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program, op_name
+from ..ir.formatting import op_name
+from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program
 from ..ir.tree import TensorSpec
 from .closure import lift_captured
 from .mode_reads import recording_mode_reads, shadows_flag

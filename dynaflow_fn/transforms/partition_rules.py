@@ -16,7 +16,8 @@ from torch import fx
 
 from ..errors import InputError, TransformError
 from ..ir import cost
-from ..ir.program import NodeInfo, Program, info, op_name
+from ..ir.formatting import op_name
+from ..ir.program import NodeInfo, Program, info
 from ..ir.scopes import Scope
 
 

@@ -19,7 +19,8 @@ from torch import fx
 
 from ..errors import InputError, TransformError, warn
 from ..ir import cost, ops
-from ..ir.program import NodeInfo, Program, info, op_name
+from ..ir.formatting import op_name
+from ..ir.program import NodeInfo, Program, info
 from .base import Pass, apply_transform, record
 from .partition_rules import Rule
 

@@ -15,7 +15,8 @@ import torch
 from torch import fx
 
 from ..compat import OpOverload
-from ..ir.program import info, op_name
+from ..ir.formatting import op_name
+from ..ir.program import info
 
 
 @dataclass(frozen=True)
