@@ -1,7 +1,8 @@
 """The Program: a traced, functional aten graph plus everything transforms and lowering need.
 
 A Program is immutable from the outside: transforms build a new one (`Program.annotate`,
-`Program.with_graph`) and append a provenance line, so `print(program)` shows what happened to it.
+`Program.with_graph`) and append a provenance line, so `print(program)` shows what happened to it;
+`program.python()` writes the same program as Python source that runs on its own.
 Per-node annotations live in `node.meta["df"]` as a frozen `NodeInfo`.
 """
 
@@ -17,7 +18,8 @@ import optree
 import torch
 from torch import fx
 
-from ..compat import OpOverload
+from .formatting import format_arg, format_call, op_name  # noqa: F401  (op_name: plan and passes import it here)
+from .python_source import python_source
 from .scopes import Scope
 
 _DTYPE_NAMES = {
@@ -164,6 +166,11 @@ class Program:
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
+    def captured_placeholders(self) -> list[fx.Node]:
+        """The placeholders bound to the `captured` tensors, which come after the arguments'."""
+        placeholders = self.placeholders()
+        return placeholders[len(placeholders) - len(self.captured):]
+
     def output_node(self) -> fx.Node:
         return next(n for n in reversed(self.graph.nodes) if n.op == "output")
 
@@ -191,6 +198,26 @@ class Program:
     def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
         leaves = [tensors[o.tensor_index] if o.tensor_index is not None else o.static_value for o in self.outputs]
         return optree.tree_unflatten(self.out_tree, leaves)
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """The tensors the program holds rather than receives, by the names it prints: the captured
+        tensors (the very objects, so a call reads them as they are then) and the graph's constants."""
+        values = {node.name: c.tensor for node, c in zip(self.captured_placeholders(), self.captured)}
+        values.update((node.name, operator.attrgetter(node.target)(self.graph_module))
+                      for node in self.graph.nodes if node.op == "get_attr")
+        return values
+
+    def python(self) -> str:
+        """This program as Python source that runs without dynaflow_fn: the printed header, `import
+        torch`, and a function named after the program that calls each node's aten overload by its
+        full path (`torch.ops.aten.mm.default`) and returns the flat list of output tensors.
+
+        Its positional parameters are the tensor inputs, named as `print(program)` names them. The
+        tensors of `constants()` (captured tensors and graph constants, which no literal can spell)
+        are keyword-only parameters of the same names: `exec` the source, then
+        `fn(*tensor_inputs, **program.constants())` returns what `program(*args)` flattens to.
+        """
+        return python_source(self, header_lines(self))
 
     # --- functional updates -------------------------------------------------------------------
 
@@ -222,39 +249,6 @@ def copy_graph_module(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, dic
 
 
 # --- formatting ---------------------------------------------------------------------------------
-
-
-def op_name(target: Any) -> str:
-    """`aten.mm` for default overloads, `aten.add.Tensor` otherwise; Python callables by name."""
-    if isinstance(target, OpOverload):
-        namespace = target.namespace
-        packet = target._schema.name.split("::")[-1]
-        overload = target._overloadname
-        return f"{namespace}.{packet}" if overload == "default" else f"{namespace}.{packet}.{overload}"
-    if target is operator.getitem:
-        return "getitem"
-    return getattr(target, "__name__", str(target))
-
-
-def format_arg(arg: Any) -> str:
-    if isinstance(arg, fx.Node):
-        return arg.name
-    if isinstance(arg, (list, tuple)):
-        inner = ", ".join(format_arg(a) for a in arg)
-        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
-    if isinstance(arg, torch.dtype):
-        return str(arg)
-    if isinstance(arg, float):
-        return repr(arg)
-    return repr(arg)
-
-
-def format_call(node: fx.Node) -> str:
-    args = [format_arg(a) for a in node.args]
-    args += [f"{k}={format_arg(v)}" for k, v in node.kwargs.items()]
-    if node.target is operator.getitem:
-        return f"{args[0]}[{args[1]}]"
-    return f"{op_name(node.target)}({', '.join(args)})"
 
 
 def annotation_str(node_info: NodeInfo) -> str:
@@ -322,11 +316,8 @@ def _signature_entries(program: Program) -> list[str]:
     return entries
 
 
-def format_program(program: Program) -> str:
-    parameters = _signature_entries(program)
-    signature = ", ".join(parameters)
-    if len(signature) > 80:
-        signature = "\n" + "".join(f"    {p},\n" for p in parameters)
+def header_lines(program: Program) -> list[str]:
+    """The comment lines above a printed program: its passes, streams, static and captured inputs."""
     header = [f"# Program {program.name}  passes: {' -> '.join(program.provenance) or '(none)'}"]
     if len(program.streams) > 1:
         header.append("# streams: " + ", ".join(f"s{s.index}={s.name}" + (f"(priority {s.priority})" if s.priority else "")
@@ -335,10 +326,17 @@ def format_program(program: Program) -> str:
     if statics:
         header.append("# static: " + ", ".join(f"{s.path}={s.static_value!r}" for s in statics))
     if program.captured:
-        placeholders = program.placeholders()
-        names = [p.name for p in placeholders[len(placeholders) - len(program.captured):]]
+        names = [p.name for p in program.captured_placeholders()]
         header.append("# closed over (read in place every call): " +
                       ", ".join(f"{name}={c.name}" if name != c.name else name for name, c in zip(names, program.captured)))
+    return header
+
+
+def format_program(program: Program) -> str:
+    parameters = _signature_entries(program)
+    signature = ", ".join(parameters)
+    if len(signature) > 80:
+        signature = "\n" + "".join(f"    {p},\n" for p in parameters)
     rows = []
     for node in program.graph.nodes:
         if node.op == "call_function":
@@ -349,4 +347,4 @@ def format_program(program: Program) -> str:
         elif node.op == "output":
             rows.append((f"return {format_arg(node.args[0])}", ""))
     body = _lines_with_comments(rows)
-    return "\n".join(header + [f"def {program.name}({signature}):"] + body)
+    return "\n".join(header_lines(program) + [f"def {program.name}({signature}):"] + body)

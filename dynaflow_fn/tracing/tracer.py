@@ -35,7 +35,8 @@ from ..compat import (
 from ..errors import DynaflowError, InputError, MetaKernelRejection, TraceError, is_library_file
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
-from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program, op_name
+from ..ir.formatting import op_name
+from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program
 from ..ir.tree import TensorSpec
 from .closure import lift_captured
 from .mode_reads import recording_mode_reads, shadows_flag
@@ -100,21 +101,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         if module is not None else {}
 
     captured: dict[str, Any] = {}
-
-    def flat_body(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        full = list(leaves)
-        for position, tensor in zip(kinds.tensor_positions, tensors):
-            full[position] = tensor
-        call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
-        recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
-        captured["recorder"] = recorder
-        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
-            result = body(*call_args, **call_kwargs)
-        captured["mode_reads"] = dict(mode_reads)
-        out_paths, out_leaves, out_tree = tree.flatten(result)
-        captured["out"] = (out_paths, out_leaves, out_tree)
-        return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
-
+    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, module_names, captured)
     with _TRACING, torch.no_grad(), quiet_meta_failures(), _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         recorder = captured["recorder"]
@@ -146,6 +133,30 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         captured=closed_over,
         module_modes=_module_modes(captured["mode_reads"], recorder.called_modules()),
     )
+
+
+def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.PyTreeSpec,
+               tensor_positions: Sequence[int], module_names: dict[int, str],
+               captured: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
+    """`body` as a function of the tensor leaves alone, the form make_fx traces. The static leaves
+    are put back in place; what only the run can tell (the scope recorder, the training flags read,
+    the output pytree) is left in `captured`."""
+
+    def flat_body(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        full = list(leaves)
+        for position, tensor in zip(tensor_positions, tensors):
+            full[position] = tensor
+        call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
+        recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
+        captured["recorder"] = recorder
+        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
+            result = body(*call_args, **call_kwargs)
+        captured["mode_reads"] = dict(mode_reads)
+        out_paths, out_leaves, out_tree = tree.flatten(result)
+        captured["out"] = (out_paths, out_leaves, out_tree)
+        return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
+
+    return flat_body
 
 
 def _module_modes(reads: dict[int, tuple[torch.nn.Module, bool]],

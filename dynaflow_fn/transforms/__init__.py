@@ -10,7 +10,8 @@
 from .base import Pass, Transformed, compose
 from .microbatching import microbatch
 from .overlapping import overlap
-from .partitioning import Kind, Module, Op, Region, Rule, partition
+from .partition_rules import Kind, Module, Op, Region, Rule
+from .partitioning import partition
 from .schedule import TBO, Branches, Issue, RoundRobin, Scheduler, Sequential, Stage, StageGraph
 from .substituting import substitute
 

@@ -34,7 +34,8 @@ from ..compat import outside_current_trace
 from ..ir.program import Program
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
-from .batch_rows import Reduced, Rows, State, follow_rows, reads_values
+from .batch_rows import follow_rows, reads_values
+from .row_states import Reduced, Rows, State
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
                     "else than the unsplit one.")

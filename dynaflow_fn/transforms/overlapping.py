@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from ..errors import ScheduleError, TransformError
 from ..ir.program import NodeInfo, Program, Stream, copy_graph_module, info
 from .base import Pass, apply_transform, record
-from .partitioning import Kind, PartitionPass
+from .partition_rules import Kind
+from .partitioning import PartitionPass
 from .schedule import Issue, Scheduler, StageGraph, resolve
 
 DEFAULT_RULES = (Kind("comm"), Kind("compute"))

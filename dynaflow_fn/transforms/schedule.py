@@ -1,4 +1,5 @@
-"""Schedulers: the programmable part of a strategy. They run once, at lowering, never per call.
+"""Schedulers: the programmable part of a strategy. They run once, in the overlap pass
+(`T.overlap`, transforms/overlapping.py), when the Program is transformed, never per call.
 
 A Scheduler sees the DAG of stages (each with its micro-batch, kind, tags and cost estimate) and
 returns a total issue order with a stream for every stage. Write one by overriding `pick` (choose the

@@ -1,0 +1,134 @@
+"""The states `batch_rows` gives values of a micro-batch body, and what its per-op rules see.
+
+A state says where the rows of the micro-batch lie in a value (`Rows`), that the value already
+mixes them (`Reduced`), that it reads none of them (`None`), or that the analysis cannot tell
+(`UNKNOWN`). A rule (`row_rules`) gets a `RuleCall`: the node, its arguments by schema name and the
+states so far, and returns the node's state or records a `Finding`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..compat import OpOverload
+from ..ir.formatting import op_name
+from ..ir.program import info
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Row `b` of the micro-batch lies along `axis`. When views merged the batch with neighbouring
+    dimensions, that axis holds `outer * rows * inner` elements, row `b` at `(o * rows + b) * inner + i`."""
+
+    axis: int
+    outer: int = 1
+    inner: int = 1
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """The value mixes rows of the batch; `by` names the op where they were first mixed (see `describe`)."""
+
+    by: str
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
+State = Any   # None | Rows | Reduced | UNKNOWN, or a tuple of states for an op with several results
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An op whose result changes when the batch is split, and why."""
+
+    node: fx.Node
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{describe(self.node)} {self.reason}"
+
+
+def describe(node: fx.Node) -> str:
+    """The op of a node and the module call it was traced in: `aten.mean.dim in encoder.norm (MyNorm)`."""
+    modules = [scope for scope in info(node).scopes if scope.kind == "module"]
+    if not modules:
+        return op_name(node.target)
+    module = modules[-1]
+    kind = module.module_type.__name__ if module.module_type is not None else "module"
+    return f"{op_name(node.target)} in {module.name} ({kind})" if module.name else f"{op_name(node.target)} in a {kind}"
+
+
+@dataclass
+class RowFlow:
+    """The state of every node of a graph, and the findings on the way."""
+
+    states: dict[fx.Node, State]
+    findings: list[Finding]
+
+
+@dataclass(frozen=True)
+class RuleCall:
+    """What a rule sees: the node, its arguments by schema name, and the states so far."""
+
+    node: fx.Node
+    bound: dict[str, Any]
+    flow: RowFlow
+    rows: int
+
+    def state(self, name: str) -> State:
+        value = self.bound.get(name)
+        return self.flow.states[value] if isinstance(value, fx.Node) else None
+
+    def rank(self, value: Any = None) -> int:
+        return _value(self.node if value is None else value).dim()
+
+    def shape(self, value: Any = None) -> tuple[int, ...]:
+        return tuple(_value(self.node if value is None else value).shape)
+
+    def dims(self, name: str, rank: int) -> list[int] | None:
+        """The normalized dims of a `dim` argument; None when it means every dimension."""
+        value = self.bound.get(name)
+        if value is None or value == []:
+            return None
+        return [d % max(rank, 1) for d in ((value,) if isinstance(value, int) else value)]
+
+    def result(self, state: State) -> State:
+        return each_result(self.node, state)
+
+    def reduced(self) -> Reduced:
+        """The state of a value this node makes by mixing rows of the batch."""
+        return Reduced(describe(self.node))
+
+    def report(self, reason: str) -> State:
+        return record_finding(self.node, self.flow, reason)
+
+
+def record_finding(node: fx.Node, flow: RowFlow, reason: str) -> State:
+    """Record a finding; what follows from the node is not judged again (one finding per cause)."""
+    flow.findings.append(Finding(node, reason))
+    return each_result(node, UNKNOWN)
+
+
+def _value(node: fx.Node) -> Any:
+    return node.meta["val"]
+
+
+def packet(op: OpOverload) -> str:
+    """`aten::add` for `aten.add.Tensor`."""
+    return op.name().split(".")[0]
+
+
+def each_result(node: fx.Node, state: State) -> State:
+    """The state for every result of a node (one state, or a tuple for ops returning several)."""
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        return tuple(state if isinstance(v, torch.Tensor) else None for v in value)
+    return state
