@@ -81,9 +81,10 @@ def decoder_layer(p: dict, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return h + d
 
 
-def decoder_stack(layers: list, x: torch.Tensor, k_caches: list, v_caches: list) -> torch.Tensor:
+def decoder_stack(layers: list, x: torch.Tensor, k_caches: list, v_caches: list,
+                  shape: Shape = LLAMA3_8B) -> torch.Tensor:
     for p, k, v in zip(layers, k_caches, v_caches):
-        x = decoder_layer(p, x, k, v)
+        x = decoder_layer(p, x, k, v, shape=shape)
     return x
 
 

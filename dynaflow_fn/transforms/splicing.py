@@ -22,10 +22,12 @@ from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
 
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float64: (1e-7, 1e-7), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
 }
-"""(rtol, atol) per dtype for `check=True`: torch.testing.assert_close's defaults."""
+"""(rtol, atol) per dtype for `check=True`: loose enough for another order of summation (a fused or
+split-K kernel) on random inputs, tight enough to catch a different computation. Integer and bool
+outputs must be equal."""
 
 
 class Region:

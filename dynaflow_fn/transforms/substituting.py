@@ -36,7 +36,7 @@ from ..ir.scopes import Scope
 from ..tracing.regions import active_recorder, last_node, nodes_after
 from ..tracing.tracer import trace_function
 from .base import Pass, apply_transform, record
-from .partitioning import Module, Region, Rule
+from .partition_rules import Module, Region, Rule
 from .splicing import DEFAULT_TOLERANCES, Region as Match, check_agrees, splice, trace_impl
 
 
@@ -143,29 +143,41 @@ class ModuleLookaside(Pass):
 
 
 def _modules_reached(body: Callable[..., Any]) -> list[tuple[str, torch.nn.Module]]:
-    """(qualified name, module) for the modules `body` can reach: the module of a `df.pure` function,
-    modules it closes over and globals it names, with their submodules."""
-    roots: list[tuple[str, torch.nn.Module]] = []
-    target = getattr(body, "__dynaflow_module__", None)
-    if isinstance(target, torch.nn.Module):
-        roots.append(("", target))
-    function = getattr(body, "__wrapped__", body)
-    code = getattr(function, "__code__", None)
-    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(function, "__closure__", None) or ()):
-        with contextlib.suppress(ValueError):
-            if isinstance(cell.cell_contents, torch.nn.Module):
-                roots.append((name, cell.cell_contents))
-    for name in getattr(code, "co_names", ()):
-        value = getattr(function, "__globals__", {}).get(name)
-        if isinstance(value, torch.nn.Module):
-            roots.append((name, value))
+    """(qualified name, module) for the modules `body` can reach, with their submodules: the module of
+    a `df.pure` function, and modules that it or the functions it calls close over or name as globals
+    (followed a few calls deep)."""
+    roots: dict[int, tuple[str, torch.nn.Module]] = {}
+    _collect_roots("", body, roots, depth=_SEARCH_DEPTH)
     seen, reached = set(), []
-    for prefix, root in roots:
+    for prefix, root in roots.values():
         for name, module in root.named_modules():
             if id(module) not in seen:
                 seen.add(id(module))
-                reached.append((name if root is target else ".".join(p for p in (prefix, name) if p), module))
+                reached.append((".".join(p for p in (prefix, name) if p), module))
     return reached
+
+
+_SEARCH_DEPTH = 4
+
+
+def _collect_roots(name: str, value: Any, roots: dict[int, tuple[str, torch.nn.Module]], depth: int) -> None:
+    if isinstance(value, torch.nn.Module):
+        roots.setdefault(id(value), (name, value))
+        return
+    module = getattr(value, "__dynaflow_module__", None)
+    if isinstance(module, torch.nn.Module):
+        roots.setdefault(id(module), ("", module))
+    function = getattr(value, "__wrapped__", value)
+    code = getattr(function, "__code__", None)
+    if code is None or depth == 0:
+        return
+    for free, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+        with contextlib.suppress(ValueError):
+            _collect_roots(free, cell.cell_contents, roots, depth - 1)
+    namespace = getattr(function, "__globals__", {})
+    for global_name in code.co_names:
+        if global_name in namespace:
+            _collect_roots(global_name, namespace[global_name], roots, depth - 1)
 
 
 @contextlib.contextmanager
@@ -193,11 +205,22 @@ def _redirected(modules: list[tuple[str, torch.nn.Module]], rules: Mapping[Modul
 def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], original: Callable[..., Any],
                calls: dict[Module, int]) -> Callable[..., Any]:
     owner = threading.get_ident()
+    running = []                                   # impl may call the module itself: that runs forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        recorder = active_recorder()
-        if threading.get_ident() != owner or recorder is None:
+        if threading.get_ident() != owner or running:
             return original(*args, **kwargs)
+        running.append(True)
+        try:
+            return substituted(*args, **kwargs)
+        finally:
+            running.pop()
+
+    def substituted(*args: Any, **kwargs: Any) -> Any:
+        calls[rule] += 1
+        recorder = active_recorder()
+        if recorder is None:                       # the transformed function called eagerly
+            return impl(module, *args, **kwargs)
         expected = _traced_and_dropped(original, args, kwargs)
         graph = get_proxy_mode().tracer.graph
         start = last_node(graph)
@@ -208,7 +231,6 @@ def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], 
             raise TransformError(f"the implementation for {rule} writes {written[0].args[0]} in place; it must "
                                  f"return new tensors and leave its inputs unchanged")
         _check_layouts(rule, expected, result)
-        calls[rule] += 1
         return result
     return forward
 
