@@ -218,3 +218,38 @@ def test_a_step_marked_to_leave_sms_runs_under_the_carveout_and_restores_it(monk
         compile_step(step, carveout=True)(env)
     assert seen == [(None, "cublas"), (8, "cublaslt")]            # only cuBLASLt honours the carveout
     assert carveout["value"] is None and blas["value"] == "cublas"  # restored even when the kernel fails
+
+
+def test_plan_provenance_lists_the_lowering_sub_passes_in_the_order_they_run(monkeypatch):
+    import importlib
+
+    lowering = importlib.import_module("dynaflow_fn.lowering.lower")
+    ran = []
+    monkeypatch.setattr(lowering, "SUB_PASSES", tuple(
+        (name, lambda draft, name=name, sub_pass=sub_pass: (ran.append(name), sub_pass(draft)))
+        for name, sub_pass in lowering.SUB_PASSES))
+    fn, params = df.pure(MLP(sizes=(32, 16)))
+    program = df.trace(fn, params, torch.randn(4, 32))
+    plan = df.lower(program)
+    expected = ["bind", "issue order", "reinplace", "kernels", "outputs", "elide copies", "synchronize",
+                "sm budget", "place buffers"]
+    assert ran == expected
+    assert plan.provenance == (*program.provenance, "lower: " + " -> ".join(expected))
+    assert str(plan).splitlines()[0].endswith("passes: trace -> lower: bind -> issue order -> reinplace -> "
+                                              "kernels -> outputs -> elide copies -> synchronize -> sm budget -> "
+                                              "place buffers")
+
+
+@pytest.mark.parametrize("annotate, match", [
+    (lambda i, n, count: n.replace(order=count - i), "before its input"),
+    (lambda i, n, count: n.replace(order=i, stream=1), "streams the program does not declare"),
+    (lambda i, n, count: n.replace(order=i if i else None), "no issue position"),
+])
+def test_lowering_rejects_a_program_whose_node_schedule_is_no_issue_order(annotate, match):
+    fn, params = df.pure(MLP(sizes=(32, 16, 16)))
+    program = df.trace(fn, params, torch.randn(4, 32))
+    names = [n.name for n in program.ops()]
+    scheduled = program.annotate(lambda node, node_info: annotate(names.index(node.name), node_info, len(names))
+                                 if node.name in names else node_info)
+    with pytest.raises(df.ScheduleError, match=match):
+        df.lower(scheduled)

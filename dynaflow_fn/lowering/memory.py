@@ -5,14 +5,21 @@ Two buffers may share bytes only when one's every access happens before the othe
 its last reader is ordered, by events, before the new writer. Offsets are chosen greedily, largest
 buffer first, into the smallest gap left by the buffers it conflicts with (the "greedy by size"
 strategy of TFLite's arena planner), which packs activation memory close to the peak of live bytes.
+
+`place_buffers`, lowering's last sub-pass, applies this to the plan under construction: it keeps the
+storages that no elided `cat` placed inside another, packs the arena ones, and re-points every slot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
+
+from ..plan.plan import Storage, StorageKind
+from .draft import PlanDraft
 
 ALIGNMENT = 256
 
@@ -57,3 +64,29 @@ def _best_gap(starts: np.ndarray, ends: np.ndarray, size: int) -> int:
             best, best_waste = cursor, gap - size
         cursor = max(cursor, end)
     return int(cursor if best is None else best)
+
+
+def place_buffers(draft: PlanDraft) -> None:
+    """Renumber the storages that remain, give arena buffers their offsets, and re-point slots."""
+    top = [i for i, s in enumerate(draft.storages) if s.parent is None]
+    accesses: dict[int, set[int]] = defaultdict(set)
+    for step in draft.steps:
+        for slot_index in (*step.reads(), *step.writes()):
+            accesses[draft.memory_span(slot_index)[0]].add(step.index)
+    clocks = draft.clocks
+    used = [i for i in top if draft.storages[i].kind is StorageKind.ARENA and accesses[i]]
+    release = np.array([clocks.release(accesses[i]) for i in used]).reshape(len(used), clocks.num_streams)
+    acquire = np.array([clocks.acquire(accesses[i]) for i in used]).reshape(len(used), clocks.num_streams)
+    layout = pack([draft.storages[i].nbytes for i in used], release, acquire)
+    offsets = dict(zip(used, layout.offsets))
+    new_index = {old: new for new, old in enumerate(top)}
+    draft.placed_storages = tuple(
+        Storage(new_index[old], draft.storages[old].kind, align(draft.storages[old].nbytes, 16),
+                offsets.get(old, 0), draft.storages[old].input_index, draft.storages[old].constant)
+        for old in top)
+    slots = []
+    for slot in draft.slots:
+        storage, span = draft.memory_span(slot.index)
+        slots.append(replace(slot, storage=new_index[storage], byte_offset=span[0] - slot.byte_range()[0]))
+    draft.slots = slots
+    draft.arena_nbytes = layout.nbytes

@@ -26,6 +26,8 @@ from torch import fx
 from ..compat import OpOverload, StorageWeakRef, has_internal_overlap
 from ..ir import ops
 from ..plan.plan import Layout
+from .draft import PlanDraft
+from .out_kernels import allocates
 
 
 def inplace_variant(op: object) -> OpOverload | None:
@@ -78,6 +80,14 @@ class _Aliases:
         node, into = self.root(node), self.root(into)
         if node is not into:
             self.parent[node] = into
+
+
+def reinplace(draft: PlanDraft) -> None:
+    """Choose the nodes the kernels sub-pass runs in place."""
+    program = draft.program
+    placeholders = program.placeholders()
+    donated = {placeholders[i] for i in draft.donate.values()}
+    draft.inplace = plan_inplace(draft.issue_order, list(program.output_node().args[0]), donated, allocates)
 
 
 def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: set[fx.Node],

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import optree
 import torch
 
-from ..ir.program import Captured, InputSpec, OutputSpec, Stream, dtype_name, format_arg, op_name
+from ..ir.program import Captured, InputSpec, OutputSpec, Program, Stream, dtype_name, format_arg, op_name
+from ..ir.tree import TensorSpec
 
 
 class StorageKind(str, enum.Enum):
@@ -37,17 +38,14 @@ class Storage:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Shape, strides (in elements), dtype and element offset of a tensor inside its storage."""
+class Layout(TensorSpec):
+    """A TensorSpec placed in memory: its element offset inside its storage as well."""
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
     storage_offset: int = 0
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "Layout":
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.storage_offset())
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, tensor.storage_offset())
 
     @property
     def itemsize(self) -> int:
@@ -181,9 +179,7 @@ class Plan:
     def storage_bytes(self, kind: StorageKind) -> int:
         return sum(s.nbytes for s in self.storages if s.kind is kind)
 
-    def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
-        leaves = [tensors[o.tensor_index] if o.tensor_index is not None else o.static_value for o in self.outputs]
-        return optree.tree_unflatten(self.out_tree, leaves)
+    unflatten_outputs = Program.unflatten_outputs   # the same outputs and out_tree, so the same rule
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -194,11 +190,14 @@ class Plan:
 
 
 def format_bytes(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    size = nbytes / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _format_value(plan: Plan, value: Any) -> str:

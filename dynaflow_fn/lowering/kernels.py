@@ -1,0 +1,139 @@
+"""Kernels: one step per node, in issue order, choosing how each runs.
+
+* a view op becomes a VIEW step: no kernel, no memory;
+* an op with a faithful `out=` overload becomes a KERNEL step writing into a planned arena buffer;
+* an op without one becomes an ALLOC step, and the Plan says why;
+* work that depends on no input (masks, position ids, rotary tables) moves to `setup`, computed once;
+* the `copy_` that functionalization leaves for a mutated input becomes a COPY step (a write-back);
+* a node that re-inplacing chose runs as its in-place variant, writing the arguments it mutates.
+
+Which tensors share memory comes from the fake tensors of the trace: two values with the same fake
+storage alias.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import optree
+import torch
+from torch import fx
+
+from ..compat import OpOverload
+from ..ir import ops
+from ..ir.analyses import setup_nodes
+from ..ir.program import info
+from ..plan.plan import Layout, Ref, Step, StepKind, StorageKind
+from .draft import PlanDraft, flat_values, new_step, storage_key
+from .out_kernels import out_call_is_faithful
+from .reinplace import inplace_variant, mutated_arguments
+
+
+def kernels(draft: PlanDraft) -> None:
+    hoisted = setup_nodes(draft.program)
+    for node in draft.issue_order:
+        if node.target is operator.getitem:
+            _forward_getitem(draft, node)
+            continue
+        hoist = node in hoisted
+        step = _step_for(draft, node, hoist)
+        (draft.setup if hoist else draft.steps).append(step)
+
+
+def _forward_getitem(draft: PlanDraft, node: fx.Node) -> None:
+    """A getitem of a multi-result op is no step: its results are slots of the parent's."""
+    parent, index = node.args
+    start, count = _leaf_offset(parent.meta["val"], index)
+    for k in range(count):
+        if (parent, start + k) in draft.slot_of:
+            draft.slot_of[(node, k)] = draft.slot_of[(parent, start + k)]
+
+
+def _leaf_offset(values: Any, index: int) -> tuple[int, int]:
+    """Where the `index`-th element of a (nested) result sits among its flat leaves: (start, count)."""
+    count = lambda v: len(optree.tree_leaves(v, none_is_leaf=True))
+    return sum(count(v) for v in values[:index]), count(values[index])
+
+
+def _step_for(draft: PlanDraft, node: fx.Node, hoist: bool) -> Step:
+    op = node.target
+    stream = info(node).stream or 0
+    args, kwargs = draft.ref(tuple(node.args)), draft.ref(dict(node.kwargs))
+    if op is torch.ops.aten.copy_.default and draft.storage_kind(node.args[0]) is StorageKind.INPUT:
+        dst = draft.slot_of[(node.args[0], 0)]
+        draft.slot_of[(node, 0)] = dst
+        return new_step(StepKind.COPY, stream, op, (Ref(dst), args[1]), {}, (dst,), node=node.name,
+                        note="input mutation write-back")
+    if ops.is_mutating(op):
+        raise NotImplementedError(f"in-place op {op} on a non-input in the functional graph ({node.name})")
+    if node in draft.inplace and not hoist:
+        return _inplace_step(draft, node, stream, args, kwargs)
+    if ops.is_collective_wait(op):
+        return _wait_step(draft, node, stream, args)
+    return _computed_step(draft, node, hoist, stream, args, kwargs)
+
+
+def _computed_step(draft: PlanDraft, node: fx.Node, hoist: bool, stream: int, args: tuple, kwargs: dict) -> Step:
+    """A VIEW when every result aliases known memory, else a KERNEL into the arena if its out= overload
+    fits, else an ALLOC (a CONSTANT computed once when hoisted to setup)."""
+    op, values = node.target, flat_values(node)
+    tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    fresh = [(i, v) for i, v in tensors if storage_key(v) not in draft.storage_of_key]
+    if fresh and ops.is_view(op):
+        _alias_to_base(draft, node, fresh)
+        fresh = []
+    result_indices = tuple(i for i, _ in tensors) if isinstance(node.meta.get("val"), (list, tuple)) else ()
+    if not fresh:
+        outputs = tuple(draft.slot_for_value(node, i, v, False) for i, v in tensors)
+        return new_step(StepKind.VIEW, stream, op, args, kwargs, outputs, node=node.name,
+                        result_indices=result_indices)
+    variant = None if hoist else ops.out_variant(op) if isinstance(op, OpOverload) else None
+    if (variant is not None and variant.direct and len(fresh) == len(values)
+            and all(_is_whole_storage(v) for _, v in fresh) and out_call_is_faithful(node, variant)):
+        outputs = tuple(draft.slot_for_value(node, i, v, True, StorageKind.ARENA) for i, v in tensors)
+        pos, kw = variant.call_arguments(ops.bind_arguments(op, args, kwargs))
+        return new_step(StepKind.KERNEL, stream, variant.op, tuple(pos), kw, outputs, out_names=variant.out_names,
+                        node=node.name)
+    kind = StorageKind.CONSTANT if hoist else StorageKind.DYNAMIC
+    outputs = tuple(draft.slot_for_value(node, i, v, False, kind) for i, v in tensors)
+    note = "" if hoist else (getattr(op, "note", "no out= overload") if variant is None else
+                             "its out= kernel is not known to write only its result" if not variant.direct else
+                             "out= overload does not fit")
+    return new_step(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,
+                    result_indices=result_indices)
+
+
+def _inplace_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple, kwargs: dict) -> Step:
+    """Run `node` as its in-place variant: its results are the slots of the arguments it mutates."""
+    slots = tuple(draft.slot_of[(s, 0)] for s in mutated_arguments(node))
+    for index, (slot, value) in enumerate(zip(slots, flat_values(node))):
+        draft.storage_of_key[storage_key(value)] = draft.slots[slot].storage
+        draft.slot_of[(node, index)] = slot
+    return new_step(StepKind.KERNEL, stream, inplace_variant(node.target), args, kwargs, slots,
+                    node=node.name, note="in place")
+
+
+def _wait_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple) -> Step:
+    """`wait_tensor` returns its input, but only its completion makes the collective's result
+    readable on the device: it runs as a step that *writes* the tensor, so every reader is ordered
+    after it (by stream order or an event), not merely after the collective's launch."""
+    slot = draft.slot_of[(node.args[0], 0)]
+    draft.storage_of_key[storage_key(node.meta["val"])] = draft.slots[slot].storage
+    draft.slot_of[(node, 0)] = slot
+    return new_step(StepKind.KERNEL, stream, node.target, args, {}, (slot,), node=node.name,
+                    note="collective finished")
+
+
+def _alias_to_base(draft: PlanDraft, node: fx.Node, values: list[tuple[int, torch.Tensor]]) -> None:
+    """A view whose fake result got a storage of its own (make_fx gives a program constant's node and
+    its uses different fake tensors) still aliases its base: record that."""
+    base = next(a for a in node.args if isinstance(a, fx.Node))
+    storage = draft.slots[draft.slot_of[(base, 0)]].storage
+    for _, value in values:
+        draft.storage_of_key[storage_key(value)] = storage
+
+
+def _is_whole_storage(tensor: torch.Tensor) -> bool:
+    extent = Layout.of(tensor).byte_range()[1]
+    return tensor.storage_offset() == 0 and extent == tensor.untyped_storage().nbytes()

@@ -1,0 +1,30 @@
+"""SM budget: leave SMs to the collectives of a program scheduled with `T.overlap(comm_ctas=...)`.
+
+A persistent GEMM takes every SM, and a collective's thread blocks would wait for it to finish instead
+of running beside it. So the kernels that may run while a collective does (neither ordered before nor
+after it) are marked to leave `collective_sms` SMs free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..ir import ops
+from ..plan.plan import StepKind
+from .draft import PlanDraft
+
+
+def sm_budget(draft: PlanDraft) -> None:
+    steps, clocks, sms = draft.steps, draft.clocks, draft.program.collective_sms
+    collectives = np.array([s.index for s in steps if ops.launches_collective(s.op)], dtype=np.int64)
+    if sms is None or not len(collectives):
+        return
+    everything = np.arange(len(steps))
+    beside = np.zeros(len(steps), dtype=bool)
+    for c in collectives:
+        beside |= ~clocks.before_all(c, everything) & ~clocks.after_all(c, everything)
+    beside[collectives] = False
+    draft.steps = [replace(s, sm_carveout=sms) if beside[s.index] and s.kind in (StepKind.KERNEL, StepKind.ALLOC)
+                   else s for s in steps]
