@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.ir.program import Stream
+from dynaflow_fn.plan.plan import Step, StepKind
 
 UNARY = {"tanh": torch.tanh, "relu": torch.relu, "neg": torch.neg, "exp_clip": lambda v: v.clamp(-3, 3).exp()}
 BINARY = {"add": torch.add, "mul": torch.mul, "sub": torch.sub}
@@ -90,3 +91,17 @@ def scheduled(fn, strategy, inputs: int, micro_batches: bool = True):
 def flat_tensors(*args, **kwargs) -> list[torch.Tensor]:
     """The tensor leaves of (args, kwargs) in flatten order: what a Plan's executable takes."""
     return [leaf for leaf in optree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+
+
+@st.composite
+def step_lists(draw, max_steps: int = 14):
+    """(steps, number of streams): random kernel steps on a few streams; each may record a fresh
+    event and wait on events recorded before it."""
+    num_streams = draw(st.integers(1, 4))
+    steps, recorded = [], []
+    for index in range(draw(st.integers(1, max_steps))):
+        waits = tuple(sorted(set(draw(st.lists(st.sampled_from(recorded), max_size=2))))) if recorded else ()
+        records = (len(recorded),) if draw(st.booleans()) else ()
+        recorded += list(records)
+        steps.append(Step(index, StepKind.KERNEL, draw(st.integers(0, num_streams - 1)), waits=waits, records=records))
+    return steps, num_streams

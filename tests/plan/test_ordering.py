@@ -9,20 +9,7 @@ from hypothesis import strategies as st
 import dynaflow_fn as df
 from dynaflow_fn.plan.ordering import Clocks
 from dynaflow_fn.plan.plan import Step, StepKind
-from fixtures import RandomScheduler, build, recipe_args, recipes, scheduled
-
-
-@st.composite
-def step_lists(draw):
-    """Random steps on a few streams; each may record a fresh event and wait on recorded ones."""
-    num_streams = draw(st.integers(1, 4))
-    steps, recorded = [], []
-    for index in range(draw(st.integers(1, 14))):
-        waits = tuple(sorted(set(draw(st.lists(st.sampled_from(recorded), max_size=2))))) if recorded else ()
-        records = (len(recorded),) if draw(st.booleans()) else ()
-        recorded += list(records)
-        steps.append(Step(index, StepKind.KERNEL, draw(st.integers(0, num_streams - 1)), waits=waits, records=records))
-    return steps, num_streams
+from fixtures import RandomScheduler, build, recipe_args, recipes, scheduled, step_lists
 
 
 def _reachability(steps):
