@@ -5,8 +5,9 @@
 It gives every test fresh random inputs that are reproducible: before each test, torch's global
 generator is seeded from the test's id (the `seed` fixture returns that seed, to pass on to
 `assert_equivalent(seed=...)` or your own `torch.Generator`). Renaming a test changes its inputs;
-rerunning it does not. It also registers the `cuda` marker: `@pytest.mark.cuda` tests are skipped,
-with a reason, where no CUDA device is available.
+rerunning it does not. For GPU tests it registers the `cuda` marker (`@pytest.mark.cuda` tests are
+skipped, with a reason, where no CUDA device is available) and the `cuda_device` fixture, which
+does the same for the test that asks for it and gives it the device.
 """
 
 from __future__ import annotations
@@ -41,3 +42,11 @@ def seed(request: pytest.FixtureRequest) -> int:
     value = seed_of(request.node.nodeid)
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture
+def cuda_device() -> torch.device:
+    """The CUDA device; the test asking for it is skipped where there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")
