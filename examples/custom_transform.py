@@ -15,7 +15,6 @@ import dynaflow_fn as df
 from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
 from dynaflow_fn.errors import TransformError
-from dynaflow_fn.ir.program import info
 from dynaflow_fn.transforms.base import apply_transform, record
 
 
