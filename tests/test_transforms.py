@@ -1,13 +1,12 @@
-import importlib.util
-import os
-
 import pytest
 import torch
 
 import dynaflow_fn as df
+from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
 from dynaflow_fn.ir.program import info
+from example_loader import load_example
 from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
 
 STRATEGIES = ["sequential", "roundrobin", "tbo", "branches"]
@@ -292,15 +291,16 @@ def test_comm_ctas_must_be_positive():
 
 
 def test_example_policy_interleaves_micro_batches():
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "custom_scheduler.py")
-    spec = importlib.util.spec_from_file_location("custom_scheduler", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("custom_scheduler")
     fn, params = df.pure(MLP())
     step = T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=[T.Module(torch.nn.Linear)]),
                      strategy=example.KindPairing())
-    x = torch.randn(6, 32)
-    plan = df.verify(df.jit(step).lower(params, x))
+    plan = df.verify(df.jit(step).lower(params, torch.randn(6, 32)))
     streams = [s.stream for s in plan.steps if s.kind is StepKind.KERNEL]
     assert streams[:2] == [0, 1]
-    torch.testing.assert_close(df.jit(step)(params, x), fn(params, x))
+    dft.assert_equivalent(fn, step, params, torch.randn(6, 32))
+
+
+def test_example_policy_is_valid_exact_and_deterministic_on_random_programs():
+    """KindPairing gives every micro-batch a stream, so it is meant for micro-batched programs only."""
+    dft.check_scheduler(load_example("custom_scheduler").KindPairing, max_examples=15, micro_batches=(2, 3))

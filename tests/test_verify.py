@@ -2,7 +2,6 @@
 verifier catches every planted race."""
 
 import dataclasses
-import random
 
 import numpy as np
 import pytest
@@ -14,77 +13,8 @@ import dynaflow_fn as df
 from dynaflow_fn.lowering import memory
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
-from dynaflow_fn.ir.program import Stream
-
-UNARY = {"tanh": torch.tanh, "relu": torch.relu, "neg": torch.neg, "exp_clip": lambda v: v.clamp(-3, 3).exp()}
-BINARY = {"add": torch.add, "mul": torch.mul, "sub": torch.sub}
-
-
-@st.composite
-def recipes(draw):
-    """A random DAG: each op reads one or two earlier values; a few values are returned."""
-    inputs = draw(st.integers(1, 3))
-    ops = []
-    for i in range(draw(st.integers(2, 12))):
-        available = inputs + i
-        choice = draw(st.integers(0, 2))
-        if choice == 0:
-            ops.append((draw(st.sampled_from(sorted(UNARY))), draw(st.integers(0, available - 1)), None))
-        elif choice == 1:
-            ops.append(("matmul", draw(st.integers(0, available - 1)), None))
-        else:
-            ops.append((draw(st.sampled_from(sorted(BINARY))), draw(st.integers(0, available - 1)),
-                        draw(st.integers(0, available - 1))))
-    total = inputs + len(ops)
-    outputs = sorted(set(draw(st.lists(st.integers(inputs, total - 1), min_size=1, max_size=3))))
-    return inputs, ops, outputs
-
-
-def build(recipe):
-    """fn(w, *xs): the recipe's ops over xs; "matmul" multiplies by the shared weight w."""
-    inputs, ops, outputs = recipe
-
-    def program(w, *xs):
-        values = list(xs)
-        for name, a, b in ops:
-            if name == "matmul":
-                values.append(values[a] @ w)
-            else:
-                values.append(UNARY[name](values[a]) if b is None else BINARY[name](values[a], values[b]))
-        return tuple(values[i] for i in outputs)
-
-    return inputs, program
-
-
-@dataclasses.dataclass(frozen=True)
-class EachNode(T.Rule):
-    """Every node its own stage: the finest schedules."""
-
-    def match(self, node, node_info):
-        return node.name
-
-
-class RandomScheduler(df.Scheduler):
-    """Any valid schedule: a random ready stage each time, on a random stream; with `pace`, sometimes
-    paced after random earlier stages."""
-
-    def __init__(self, seed, streams, pace=True):
-        self.random, self.count, self.pace = random.Random(seed), streams, pace
-
-    def streams(self, graph):
-        return [Stream(i, f"s{i}") for i in range(self.count)]
-
-    def pick(self, ready, graph, issued):
-        return self.random.choice(ready), self.random.randrange(self.count)
-
-    def schedule(self, graph):
-        order = super().schedule(graph)
-        if not self.pace:
-            return order
-        earlier = lambda position: [issue.stage for issue in order[:position]]
-        return [T.Issue(issue.stage, issue.stream,
-                        tuple(self.random.sample(earlier(i), min(i, self.random.randrange(3)))))
-                for i, issue in enumerate(order)]
+from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build
+from dynaflow_fn.testing.strategies import recipes
 
 
 def _schedule(fn, strategy, micro_batches, inputs):

@@ -1,0 +1,63 @@
+"""Compare two results leaf by leaf and say, in words a user can act on, where they first differ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from ..ir.tree import output_path_to_str
+
+
+def first_difference(got: Any, expected: Any, exact: bool) -> str | None:
+    """None if `got` matches `expected` (bit for bit with `exact`, else within the dtype's tolerance,
+    as `torch.testing.assert_close` judges); otherwise what differs: the structure, or the first
+    leaf (by its path, `out[1]['logits']`) with its largest difference and where it is."""
+    got_paths, got_leaves, got_tree = optree.tree_flatten_with_path(got, none_is_leaf=True)
+    _, expected_leaves, expected_tree = optree.tree_flatten_with_path(expected, none_is_leaf=True)
+    if got_tree != expected_tree:
+        return f"the result has structure {got_tree}, expected {expected_tree}"
+    for path, a, b in zip(got_paths, got_leaves, expected_leaves):
+        problem = _leaf_difference(a, b, exact)
+        if problem is not None:
+            return f"{output_path_to_str(path)} {problem}"
+    return None
+
+
+def _leaf_difference(got: Any, expected: Any, exact: bool) -> str | None:
+    if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return None if got == expected else f"is {got!r}, expected {expected!r}"
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return (f"is {_kind(got)}, expected {_kind(expected)}")
+    got, expected = got.detach().cpu(), expected.detach().cpu()
+    try:
+        torch.testing.assert_close(got, expected, equal_nan=True, **({"rtol": 0, "atol": 0} if exact else {}))
+    except AssertionError:
+        return _largest(got, expected, exact)
+    return None
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """A rough per-dtype scale for ranking elements; `assert_close` decides what passes."""
+    return {torch.float16: 1e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-7}.get(dtype, 1.3e-6)
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
+
+
+def _largest(got: torch.Tensor, expected: torch.Tensor, exact: bool) -> str:
+    """The worst element (the largest difference; within tolerance, the largest relative to the
+    tolerance at that element) and its index. A NaN on one side only counts as infinitely far."""
+    a, b = got.to(torch.float64), expected.to(torch.float64)
+    difference = (a - b).abs()
+    difference = torch.where(torch.isnan(a) & torch.isnan(b), 0.0, difference)
+    difference = torch.where(difference.isnan(), float("inf"), difference)
+    badness = difference if exact else difference / (_tolerance(got.dtype) * (1 + b.abs()))
+    flat = int(badness.reshape(-1).argmax()) if difference.numel() else 0
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape)) if got.dim() else ()
+    how = "bit for bit" if exact else "within the dtype's tolerance"
+    return (f"differs (compared {how}): {'largest' if exact else 'worst'} difference "
+            f"{float(difference.reshape(-1)[flat]):.3g} at index {list(index)}, got {float(a.reshape(-1)[flat]):.6g}, "
+            f"expected {float(b.reshape(-1)[flat]):.6g}")
