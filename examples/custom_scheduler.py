@@ -18,7 +18,7 @@ class KindPairing(df.Scheduler):
     """Alternate micro-batches and resource kinds; micro-batch i runs on stream i."""
 
     def streams(self, graph):
-        return [df.Stream(i, f"mb{i}") for i in range(len(graph.micro_batches))]
+        return [df.Stream(i, f"mb{i}") for i in range(max(1, len(graph.micro_batches)))]
 
     def pick(self, ready, graph, issued):
         last = graph.stages[issued[-1].stage] if issued else None

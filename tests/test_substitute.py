@@ -165,3 +165,11 @@ def test_rules_and_implementations_are_checked_when_given():
         T.substitute(lambda x: x, {T.Region("attn"): "flash"})
     with pytest.raises(InputError, match="a dict of rules"):
         T.substitute(lambda x: x, {})
+
+
+def test_calling_a_region_substitution_eagerly_computes_what_its_plan_computes():
+    fn, params, x = block_and_input()
+    substituted = T.substitute(fn, {T.Region("attn"): unfused_attention})
+    with torch.no_grad():
+        torch.testing.assert_close(substituted(params, x), df.jit(substituted)(params, x), rtol=0, atol=0)
+        assert not torch.equal(substituted(params, x), fn(params, x))        # unfused != the fused kernel, bitwise

@@ -12,6 +12,7 @@ import torch
 import dynaflow_fn as df
 from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
+from dynaflow_fn.errors import TransformError
 from dynaflow_fn.ir.program import copy_graph_module
 from dynaflow_fn.transforms.base import apply_transform, record
 from example_loader import load_example
@@ -188,3 +189,26 @@ def test_the_toolkit_imports_without_hypothesis_and_says_how_to_get_it():
             "except Exception as error:\n    print(type(error).__name__, error)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.startswith("DynaflowError") and "pip install hypothesis" in result.stdout
+
+
+# --- check_substitution -------------------------------------------------------------------------
+
+
+def _scaled_rows(x, w):
+    with df.region("scale"):
+        y = x * w
+    return y.sum(-1)
+
+
+def test_check_substitution_passes_an_implementation_that_agrees():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    dft.check_substitution(_scaled_rows, {T.Region("scale"): torch.mul}, x, w, in_axes=(0, None))
+
+
+def test_check_substitution_catches_an_implementation_wrong_only_on_odd_batches():
+    def even_only(x, w):
+        return x * w if x.shape[0] % 2 == 0 else x * w * 1.01
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(TransformError, match=r"T.Region\('scale'\) disagrees .* differs by up to"):
+        dft.check_substitution(_scaled_rows, {T.Region("scale"): even_only}, x, w, in_axes=(0, None))

@@ -3,7 +3,8 @@
 A transform is a `Pass`: `apply(program) -> program`, never mutating its input. Applied to a Python
 function, a transform returns a `Transformed` function that remembers the passes; tracing it traces
 the original function and applies the passes in order. Called eagerly, a `Transformed` function
-computes what the transformed program computes (micro-batches run one after another), so it is also
+computes what the transformed program computes (micro-batches run one after another; with a pass that
+changes values, such as a substitution, by running its traced Program), so it is also
 the reference that transformed programs are tested against.
 
 A transform called without a function returns itself as a one-argument transform, so transforms
@@ -21,7 +22,13 @@ from ..tracing.tracer import trace_function
 
 
 class Pass:
-    """A Program -> Program rewrite. `describe()` is the provenance line printed with the program."""
+    """A Program -> Program rewrite. `describe()` is the provenance line printed with the program.
+
+    `changes_values` is True for a pass whose Program computes something the function's code does
+    not (a substitution): calling the transformed function eagerly then traces it and runs its
+    Program, so that the eager call stays the reference for what the jitted one computes."""
+
+    changes_values = False
 
     def apply(self, program: Program) -> Program:
         raise NotImplementedError
@@ -49,6 +56,8 @@ class Transformed:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(p.changes_values for p in self.passes):
+            return self.__dynaflow_trace__(*args, **kwargs)(*args, **kwargs)
         self._check_call(args, kwargs)
         body = self.fn
         for p in self.passes:

@@ -77,6 +77,8 @@ def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None =
 class RegionSubstitution(Pass):
     """Splice each matched region's replacement into the Program (see `splicing`)."""
 
+    changes_values = True
+
     def __init__(self, rules: Mapping[Region, Callable[..., Any]], check: bool,
                  tolerances: Mapping[torch.dtype, tuple[float, float]]):
         self.rules, self.check, self.tolerances = dict(rules), check, dict(tolerances)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 import dynaflow_fn as df
 from dynaflow_fn.ir.program import SUMMARIZED_ARGUMENT_TENSORS, info, op_name
-from fixtures import build, recipe_args, recipes, scheduled
+from fixtures import build, example_inputs, recipes, scheduled
 from models import MLP, Block
 
 
@@ -27,9 +27,9 @@ def _assert_printed_fully(program):
 @given(recipe=recipes())
 def test_printing_names_every_input_and_op_and_calling_equals_the_function(recipe):
     inputs, fn = build(recipe)
-    program = df.trace(fn, *recipe_args(inputs))
+    program = df.trace(fn, *example_inputs(inputs))
     _assert_printed_fully(program)
-    fresh = recipe_args(inputs)
+    fresh = example_inputs(inputs)
     for got, expected in zip(program(*fresh), fn(*fresh)):
         torch.testing.assert_close(got, expected, equal_nan=True)
 
@@ -93,9 +93,9 @@ def test_annotate_builds_a_new_program_and_leaves_the_original_untouched():
 
 def test_issue_order_follows_the_schedule_and_trace_order_without_one():
     inputs, fn = build((1, [("matmul", 0, None), ("tanh", 1, None), ("add", 2, 0)], [3]))
-    plain = df.trace(fn, *recipe_args(inputs))
+    plain = df.trace(fn, *example_inputs(inputs))
     assert not plain.is_scheduled() and plain.issue_order() == plain.ops()
-    program = df.trace(scheduled(fn, "tbo", inputs), *recipe_args(inputs))
+    program = df.trace(scheduled(fn, "tbo", inputs), *example_inputs(inputs))
     assert program.is_scheduled()
     orders = [info(node).order for node in program.issue_order()]
     assert orders == sorted(orders)

@@ -13,7 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn.lowering import memory
 from dynaflow_fn.plan.ordering import Clocks
 from dynaflow_fn.plan.plan import StorageKind
-from fixtures import RandomScheduler, build, recipe_args, recipes, scheduled, step_lists
+from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled, step_lists
 
 
 def _ordered(clocks, first, second):
@@ -40,7 +40,7 @@ def _assert_shared_bytes_are_ordered(plan):
 def test_buffers_sharing_bytes_are_never_in_use_together(recipe, seed, streams, micro_batches):
     inputs, fn = build(recipe)
     step = scheduled(fn, RandomScheduler(seed, streams), inputs, micro_batches)
-    args = recipe_args(inputs)
+    args = example_inputs(inputs)
     plan = df.verify(df.lower(df.trace(step, *args)))
     _assert_shared_bytes_are_ordered(plan)
     for got, expected in zip(df.jit(step, backend="eager")(*args), fn(*args)):

@@ -13,7 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn.ir import ops
 from dynaflow_fn.lowering.reinplace import inplace_variant
 from dynaflow_fn.plan.plan import StepKind
-from fixtures import RandomScheduler, build, recipe_args, recipes, scheduled
+from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled
 
 
 def _readers(node):
@@ -55,11 +55,11 @@ def _assert_old_values_are_dead(program, plan, donated=()):
 def test_in_place_steps_overwrite_only_dead_values_and_plans_equal_eager(recipe, seed, streams):
     inputs, fn = build(recipe)
     step = scheduled(fn, RandomScheduler(seed, streams), inputs)
-    args = recipe_args(inputs)
+    args = example_inputs(inputs)
     program = df.trace(step, *args)
     plan = df.verify(df.lower(program))
     _assert_old_values_are_dead(program, plan)
-    fresh = recipe_args(inputs)
+    fresh = example_inputs(inputs)
     for got, expected in zip(df.jit(step, backend="eager")(*fresh), fn(*fresh)):
         torch.testing.assert_close(got, expected, equal_nan=True)
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import dynaflow_fn as df
 from dynaflow_fn.plan.plan import Layout, Ref, StepKind, StorageKind, step_reads, step_writes
-from fixtures import RandomScheduler, build, recipe_args, recipes, scheduled
+from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled
 from models import MLP
 
 
@@ -56,7 +56,7 @@ def _assert_consistent(plan):
 @given(recipe=recipes(), seed=st.integers(0, 2**16), streams=st.integers(1, 3))
 def test_steps_read_and_write_declared_slots_that_lie_inside_their_storages(recipe, seed, streams):
     inputs, fn = build(recipe)
-    plan = df.verify(df.lower(df.trace(scheduled(fn, RandomScheduler(seed, streams), inputs), *recipe_args(inputs))))
+    plan = df.verify(df.lower(df.trace(scheduled(fn, RandomScheduler(seed, streams), inputs), *example_inputs(inputs))))
     _assert_consistent(plan)
 
 

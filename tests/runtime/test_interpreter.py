@@ -9,7 +9,7 @@ import dynaflow_fn as df
 from dynaflow_fn.plan.plan import StorageKind
 from dynaflow_fn.runtime.eager import EagerExecutable
 from dynaflow_fn.runtime.interpreter import BoundPlan
-from fixtures import RandomScheduler, build, flat_tensors, recipe_args, recipes, scheduled
+from fixtures import RandomScheduler, build, flat_tensors, example_inputs, recipes, scheduled
 from models import MLP, Block, ConvNet
 
 CPU = torch.device("cpu")
@@ -25,9 +25,9 @@ def _executable(fn, *args):
 def test_interpreting_a_plan_equals_eager(recipe, seed, streams, micro_batches):
     inputs, fn = build(recipe)
     plan, executable = _executable(scheduled(fn, RandomScheduler(seed, streams), inputs, micro_batches),
-                                   *recipe_args(inputs))
+                                   *example_inputs(inputs))
     for _ in range(2):
-        fresh = recipe_args(inputs)
+        fresh = example_inputs(inputs)
         got = plan.unflatten_outputs(executable(flat_tensors(*fresh)))
         for a, b in zip(got, fn(*fresh)):
             torch.testing.assert_close(a, b, equal_nan=True)

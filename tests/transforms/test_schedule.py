@@ -11,7 +11,7 @@ import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.ir.program import info
 from dynaflow_fn.transforms.schedule import STRATEGIES, StageGraph, resolve
-from fixtures import EachNode, build, recipe_args, recipes
+from fixtures import EachNode, build, example_inputs, recipes
 from models import Block, TwoBranch
 
 
@@ -38,7 +38,7 @@ def _assert_valid(scheduler, graph):
 @given(recipe=recipes(), micro_batches=st.sampled_from([None, 2, 3]))
 def test_every_built_in_schedule_is_valid_and_deterministic(recipe, micro_batches):
     inputs, fn = build(recipe)
-    args = recipe_args(inputs, size=6)
+    args = example_inputs(inputs, size=6)
     graph = _stage_graph(df.trace(fn, *args), [EachNode()], micro_batches, inputs)
     again = _stage_graph(df.trace(fn, *args), [EachNode()], micro_batches, inputs)
     for name, scheduler_type in STRATEGIES.items():
