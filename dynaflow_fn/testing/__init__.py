@@ -10,8 +10,8 @@ correct in your unit tests.
 
 Writing a transform: subclass `T.Pass` with `apply(program) -> Program`, returning a new Program
 (`program.annotate(update)` or `program.with_graph(graph_module)`; never mutate the input) stamped
-by `record(program, new, self)`, and `describe()`, the line `print(program)` lists under "passes".
-`apply_transform(fn, MyPass())` (both from `dynaflow_fn.transforms.base`) attaches it to a function
+by `T.record(program, new, self)`, and `describe()`, the line `print(program)` lists under "passes".
+`T.apply_transform(fn, MyPass())` attaches it to a function
 (a `T.Transformed`), to a Program, or, with fn None, returns it as a one-argument transform for
 `T.compose`. A pass whose Program computes values the function's code does not (a substitution) sets
 `changes_values = True`. A traced transformed function applies the passes in order; called eagerly it

@@ -7,7 +7,7 @@
     fast = df.jit(step)
 """
 
-from .base import Pass, Transformed, compose
+from .base import Pass, Transformed, apply_transform, compose, record
 from .microbatching import microbatch
 from .overlapping import overlap
 from .partition_rules import Kind, Module, Op, Region, Rule
@@ -17,6 +17,6 @@ from .substituting import substitute
 
 __all__ = [
     "Branches", "Issue", "Kind", "Module", "Op", "Pass", "Region", "RoundRobin", "Rule", "Scheduler", "Sequential",
-    "Stage", "StageGraph", "TBO", "Transformed", "compose", "microbatch", "overlap", "partition",
+    "Stage", "StageGraph", "TBO", "Transformed", "apply_transform", "compose", "record", "microbatch", "overlap", "partition",
     "substitute",
 ]
