@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: timing with CUDA events, the results file format, tables.
+"""Shared benchmark plumbing: timing (CUDA events through the library's `samples_ms`), the results file
+format, tables.
 
 Every benchmark writes `bench/results/<name>.json` in one format (see DESIGN.md section 5):
 {"name", "device", "num_gpus", "torch", "cuda", "date", "rows": [{"case", "variant", "median_ms",
@@ -16,6 +17,8 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+
+from dynaflow_fn.jitting.timing import samples_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ONE_RANK_NOTE = ("One rank: every collective is local, so this checks the multi-GPU code path (NCCL communicators, "
@@ -53,19 +56,7 @@ def quantiles(samples: Sequence[float]) -> dict[str, float]:
 
 def cuda_samples(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> list[float]:
     """Milliseconds per call of `fn`, one sample per `inner` back-to-back calls timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / inner)
-    return samples
+    return samples_ms(fn, torch.device("cuda"), repeats=repeats, inner=inner, warmup=warmup)
 
 
 def time_cuda(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: int = 5) -> dict[str, float]:

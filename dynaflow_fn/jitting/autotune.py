@@ -19,13 +19,16 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
+import optree
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import transforms as T
 from ..tracing.tracer import trace
+from .timing import median_ms
 
 NO_OVERLAP = "none"
 MARGIN = 0.02
@@ -37,6 +40,71 @@ COMM_CTAS = (8,)
 class Candidate:
     name: str
     fn: Callable[..., Any]
+
+
+class Buildable(Protocol):
+    """What tuning needs of a built candidate (a cache entry): a call of it that leaves the arguments as they are."""
+
+    def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]: ...
+
+
+Built = TypeVar("Built", bound=Buildable)
+
+
+def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signature: str,
+         build: Callable[[Callable[..., Any]], Built], progress: bool = True) -> tuple[str, dict[str, float], Built]:
+    """Choose the strategy of `fn` for one input signature: (the chosen candidate's name, the timings
+    it was chosen by, or {} when a stored decision was reused, and the candidate built).
+
+    `build(candidate_fn)` traces and lowers one candidate. The candidates are timed side by side with
+    no overlap (`measure`); a winner other than no overlap is timed again, alone with no overlap, and
+    kept only if it still wins, since the fastest of many noisy timings is biased to look fast."""
+    device, world = _placement(args, kwargs)
+    if in_axes is not None:
+        check_in_axes(fn, in_axes, args, kwargs)
+    nccl = world > 1 and dist.get_backend() == "nccl"
+    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else ())}
+    decision = decision_key(fn, signature, device, world, list(options))
+    stored = load_decision(decision)
+    if stored in options:
+        return stored, {}, build(options[stored])
+    trials = _Trials(options, build, optree.tree_leaves((args, kwargs)), device)
+    timings = measure(list(options), trials.timer, progress)
+    choice = agree(choose(timings))
+    if choice != NO_OVERLAP:
+        trials.keep(choice)
+        rematch = measure([NO_OVERLAP, choice], trials.timer, progress)
+        choice = agree(choose(rematch))
+        timings = {**timings, **{f"{name} (rematch)": ms for name, ms in rematch.items()}}
+    if world == 1 or dist.get_rank() == 0:
+        store_decision(decision, choice, timings)
+    return choice, timings, trials.built(choice)
+
+
+class _Trials:
+    """The candidates built for timing. No overlap, which every round compares with, stays built, and
+    so does a first-round winner once it is rematched, to be returned; every other candidate is
+    dropped when `measure` lets go of its timer."""
+
+    def __init__(self, options: dict[str, Callable[..., Any]], build: Callable[[Callable[..., Any]], Buildable],
+                 leaves: Sequence[Any], device: torch.device):
+        self.options, self.build, self.leaves, self.device = options, build, leaves, device
+        self.kept: dict[str, Buildable] = {}
+        self.keeping = {NO_OVERLAP}
+
+    def keep(self, name: str) -> None:
+        self.keeping.add(name)
+
+    def built(self, name: str) -> Buildable:
+        return self.kept.get(name) or self.build(self.options[name])
+
+    def timer(self, name: str) -> Callable[[], float]:
+        """Build the candidate (unless kept) and return a function that times one round of it."""
+        entry = self.built(name)
+        if name in self.keeping:
+            self.kept[name] = entry
+        call = entry.benchmark(self.leaves)
+        return lambda: median_ms(call, self.device)
 
 
 def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[int] = ()) -> list[Candidate]:
@@ -107,26 +175,6 @@ def store_decision(key: str, choice: str, timings: dict[str, float]) -> None:
     os.replace(temporary, path)
 
 
-def median_ms(run: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 10) -> float:
-    """Median milliseconds per call, with CUDA events on CUDA and the host clock elsewhere."""
-    for _ in range(warmup):
-        run()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            start_s = time.perf_counter()
-            run()
-            samples.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(samples)
-
-
 def choose(timings: dict[str, float]) -> str:
     """The fastest candidate, unless it does not beat no overlap by MARGIN: then no overlap."""
     best = min(timings, key=timings.get)
@@ -194,10 +242,15 @@ def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], p
                                         for name, (mine, theirs) in windows.items()}}
 
 
+def _placement(args: tuple, kwargs: dict) -> tuple[torch.device, int]:
+    """The device of the first tensor argument (the CPU if none) and the number of ranks."""
+    leaves = optree.tree_leaves((args, kwargs))
+    device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    return device, dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def agree(choice: str) -> str:
     """On several ranks, rank 0's choice wins (every rank must build the same plan)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return choice
     message = [choice]

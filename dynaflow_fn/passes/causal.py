@@ -29,31 +29,40 @@ from torch import fx
 
 from ..compat import OpOverload
 from ..ir import ops
-from ..ir.analyses import setup_nodes
-from ..ir.analyses import eliminate_dead_code
+from ..ir.analyses import eliminate_dead_code, setup_nodes
 from ..ir.program import Program, copy_graph_module
+from ..transforms.base import Pass, record
 
 MASK_ARGUMENTS = ("attn_mask", "attn_bias")
 BLOCKED = torch.finfo(torch.float16).min       # an additive bias this low blocks a position
 
 
-def use_causal_kernels(program: Program) -> Program:
-    """The program with every attention whose mask is provably causal running as `is_causal=True`."""
-    constant = setup_nodes(program)
-    readers = [n for n in program.ops() if _mask_argument(n.target) and not _arguments(n).get("is_causal")]
-    masks = {_arguments(n).get(_mask_argument(n.target)) for n in readers} & constant
-    causal = {mask for mask in masks if _is_causal(_value_or_none(mask, program.graph_module))}
-    if not causal:
-        return program
-    graph_module, node_map = copy_graph_module(program.graph_module)
-    for node in readers:
-        if _arguments(node).get(_mask_argument(node.target)) in causal:
+class CausalKernelPass(Pass):
+    """Program -> Program: every attention whose mask is provably causal runs as `is_causal=True`."""
+
+    def __init__(self) -> None:
+        self.switched = 0
+
+    def describe(self) -> str:
+        return f"causal masks({self.switched} attention{'' if self.switched == 1 else 's'} made causal)"
+
+    def apply(self, program: Program) -> Program:
+        constant = setup_nodes(program)
+        readers = [n for n in program.ops() if _mask_argument(n.target) and not _arguments(n).get("is_causal")]
+        masks = {_arguments(n).get(_mask_argument(n.target)) for n in readers} & constant
+        causal = {mask for mask in masks if _is_causal(_value_or_none(mask, program.graph_module))}
+        switched = [node for node in readers if _arguments(node).get(_mask_argument(node.target)) in causal]
+        self.switched = len(switched)
+        if not switched:
+            return record(program, program, self)
+        graph_module, node_map = copy_graph_module(program.graph_module)
+        for node in switched:
             new = node_map[node]
             new.args, new.kwargs = ops.replace_arguments(new.target, new.args, new.kwargs,
                                                          {_mask_argument(node.target): None, "is_causal": True})
-    eliminate_dead_code(graph_module.graph)
-    graph_module.recompile()
-    return program.with_graph(graph_module, provenance=program.provenance + ("causal masks",))
+        eliminate_dead_code(graph_module.graph)
+        graph_module.recompile()
+        return record(program, program.with_graph(graph_module), self)
 
 
 def _mask_argument(op: Any) -> str | None:

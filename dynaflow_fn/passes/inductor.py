@@ -96,11 +96,6 @@ class InductorPass(Pass):
             return None
 
 
-def compile_stages(program: Program, progress: bool = True) -> Program:
-    """Compile each run of each stage of `program` with Inductor (see the module docstring)."""
-    return InductorPass(progress).apply(program)
-
-
 # --- finding runs --------------------------------------------------------------------------------
 
 

@@ -42,6 +42,11 @@ class AdoptedInputMoved(Exception):
 
 
 class CudaGraphExecutable:
+    """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring).
+
+    `pinned_inputs` are the positions of the inputs the graph reads at their own address whose version
+    counter can be read (not inference tensors): the same tensor at the same version needs no other check."""
+
     def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
                  adopt: Sequence[bool], static_outputs: bool = False):
         self.plan = plan
@@ -53,6 +58,7 @@ class CudaGraphExecutable:
                               for tensor, adopted in zip(inputs, adopt)]
         self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
         self.adopted = [i for i, adopted in enumerate(adopt) if adopted]
+        self.pinned_inputs = tuple(i for i in self.adopted if not inputs[i].is_inference())
         self.addresses = [tensor.data_ptr() if adopted else None for tensor, adopted in zip(inputs, adopt)]
         self.written_inputs = plan.written_inputs()
         self.write_back = [i for i in self.written_inputs if not adopt[i]]

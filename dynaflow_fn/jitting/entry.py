@@ -1,0 +1,146 @@
+"""One cache entry of `df.jit`: a Plan for one input signature and program state, and its executable.
+
+An entry is run in one of two ways. `call` serves a call that the full cache lookup matched: it runs
+the plan, capturing again if a tensor read in place moved, and then remembers a `Guard` for calls like
+it. `replay` serves a call that this guard admitted, the per-call fast path: nothing but the run.
+`benchmark` is `call`'s run on copies of the inputs the plan writes, for timing.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import compat, distributed
+from ..ir.tree import TensorSpec
+from ..plan.plan import Plan
+from ..runtime.cudagraph import AdoptedInputMoved, CudaGraphExecutable
+from ..runtime.eager import EagerExecutable
+from .guard import Guard, check_no_aliasing, picker
+from .inputs import TensorInputs
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class Entry:
+    """A plan, the state it was traced in, and its executable, built on the first run.
+
+    The executable's tensor inputs are the argument tensors (flat, in order) and then the tensors
+    the function closes over, which are read in place like the donated and persistent arguments."""
+
+    def __init__(self, plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]], inputs: TensorInputs,
+                 backend: str, static_outputs: bool, on_capture: Callable[[], None], fn_name: str):
+        self.plan = plan
+        self.module_modes = tuple(module_modes)
+        self.tensor_positions = inputs.positions
+        self.pick_tensors = picker(inputs.positions)
+        self.captured = [c.tensor for c in plan.captured]
+        self.captured_specs = [TensorSpec.of(t) for t in self.captured]
+        arguments = len(inputs.positions)
+        self.in_place = inputs.donated | inputs.persistent | set(range(arguments, arguments + len(self.captured)))
+        self.names = list(inputs.names) + [c.name for c in plan.captured]
+        self.written = plan.written_inputs()
+        returned_inputs = set(plan.input_slots)
+        self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
+        self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
+        self.no_backward = (f"backward through the outputs of df.jit({fn_name}): a compiled plan records no "
+                            f"autograd graph. Differentiate inside the jitted function (df.value_and_grad / "
+                            f"df.grad return the gradients), or call it under torch.no_grad() when no gradient "
+                            f"is needed.").encode()
+        self.backend = backend
+        self.static_outputs = static_outputs
+        self.on_capture = on_capture
+        self.executable: CudaGraphExecutable | EagerExecutable | None = None
+        self.guard: Guard | None = None
+        self._building = threading.Lock()              # threads arriving at once capture once
+
+    def stale(self) -> bool:
+        """Whether a closed-over tensor has changed layout: this entry can never run again."""
+        return any(TensorSpec.of(t) != spec for t, spec in zip(self.captured, self.captured_specs))
+
+    # --- the ways to run --------------------------------------------------------------------------
+
+    def call(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
+        """Run on leaves whose full signature, state and modes are this entry's; guard calls like it."""
+        outputs = self.run(self.inputs_of(leaves), rebuild_if_moved=True)
+        self.guard = self._guard(treedef, leaves, state)
+        return outputs
+
+    def replay(self, leaves: Sequence[Any]) -> Any:
+        """Run on leaves that `guard` admitted. Raises AdoptedInputMoved if a tensor read in place has
+        new memory, which may also mean a new layout (`t.data = ...`): the caller checks in full."""
+        return self.run(self.inputs_of(leaves), rebuild_if_moved=False)
+
+    def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
+        """A call of this entry on the given arguments that leaves them unchanged: inputs the plan writes
+        (donated, mutated) are replaced by copies, so timing it many times has no effect outside."""
+        tensors = self.inputs_of(leaves)
+        for i in self.written:
+            tensors[i] = tensors[i].clone()
+        return lambda: self.run(tensors, rebuild_if_moved=True)
+
+    def inputs_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        """The executable's inputs: the argument tensors, then the closed-over ones."""
+        tensors = list(self.pick_tensors(leaves))
+        if self.captured:
+            tensors += self.captured
+        return tensors
+
+    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool) -> Any:
+        """Run the executable (built on first use) on its inputs and return the call's outputs."""
+        if self.written:
+            check_no_aliasing(tensors, self.written, self.names)
+        executable = self.executable or self._build(tensors, None)
+        try:
+            outputs = executable(tensors)
+        except AdoptedInputMoved:
+            if not rebuild_if_moved:
+                raise
+            outputs = self._build(tensors, executable)(tensors)
+        if torch.is_grad_enabled() and self.differentiable and any(map(_REQUIRES_GRAD, tensors)):
+            outputs = self._without_backward(outputs)
+        return outputs[0] if self.only_output else self.plan.unflatten_outputs(outputs)
+
+    # --- building ---------------------------------------------------------------------------------
+
+    def _build(self, tensors: Sequence[torch.Tensor], replacing: Any) -> Any:
+        """The executable, built for these tensors unless another thread built it meanwhile; `replacing`
+        is the executable found unfit for them (its inputs read in place moved), or None."""
+        with self._building:
+            if self.executable is not replacing:
+                return self.executable
+            if replacing is None and distributed.collective_signature(self.plan):
+                distributed.check_consistent(self.plan)
+            if self.backend == "cudagraph":
+                adopt = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
+                         for i, t in enumerate(tensors)]
+                self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
+                                                      self.static_outputs)
+                self.on_capture()
+            else:
+                self.executable = EagerExecutable(self.plan, self.plan.device)
+            return self.executable
+
+    def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
+        """A guard for calls like this one: the executable's pinned inputs are known by identity and
+        version, every other leaf by its full signature."""
+        pinned = set(self.executable.pinned_inputs)
+        arguments = len(self.tensor_positions)
+        return Guard(treedef, leaves, [self.tensor_positions[i] for i in pinned if i < arguments], state,
+                     [m for m, _ in self.module_modes],
+                     captured_pinned=[self.captured[i - arguments] for i in pinned if i >= arguments],
+                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in pinned])
+
+    def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
+        backward raises an error that says why df.jit has none and what to do instead."""
+        chosen = [i for i in self.differentiable if outputs[i].is_floating_point() or outputs[i].is_complex()]
+        if not chosen:
+            return outputs
+        outputs = list(outputs)
+        for i, tensor in zip(chosen, compat.without_backward([outputs[i] for i in chosen], self.no_backward)):
+            outputs[i] = tensor
+        return outputs

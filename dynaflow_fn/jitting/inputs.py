@@ -1,0 +1,66 @@
+"""The tensor inputs of a plan, as a call passes them: where each sits among the call's leaves, its
+name for messages, and which of them `donate_argnums` and `persistent_argnums` name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..errors import InputError
+from ..ir import tree
+
+
+def argnums(value: Any, option: str) -> tuple[int, ...]:
+    """`donate_argnums` / `persistent_argnums` as a tuple of ints (one int is accepted, as in JAX)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if not isinstance(value, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise InputError(f"{option} takes positions of positional arguments (an int or a tuple of ints), got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class TensorInputs:
+    """The argument tensors of one input signature, in the order the plan takes them.
+
+    `positions` index the call's flat leaves; `names` are their paths as messages print them
+    (`params['w']`); `places` are their paths inside their own argument (`['w']`), which pair a
+    donated tensor with the output at the same place. `donated` and `persistent` index `positions`."""
+
+    positions: tuple[int, ...]
+    names: tuple[str, ...]
+    places: tuple[str, ...]
+    donated: frozenset[int]
+    persistent: frozenset[int]
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], args: tuple, kwargs: dict, donate_argnums: Sequence[int],
+           persistent_argnums: Sequence[int]) -> "TensorInputs":
+        """The tensor inputs of `fn(*args, **kwargs)`; raises if an option names no tensor argument."""
+        paths, leaves, _ = tree.flatten((args, kwargs))
+        arg_names = tree.argument_names(fn, len(args))
+        positions = tree.classify_leaves(paths, leaves, arg_names).tensor_positions
+        tensor_paths = [paths[i] for i in positions]
+
+        def named_by(option_argnums: Sequence[int], option: str) -> frozenset[int]:
+            for index in option_argnums:
+                _check_names_tensors(index, option, args, arg_names, tensor_paths)
+            return frozenset(k for k, path in enumerate(tensor_paths)
+                             if path and path[0] == 0 and path[1] in option_argnums)
+
+        return cls(positions=tuple(positions),
+                   names=tuple(tree.path_to_str(path, arg_names) for path in tensor_paths),
+                   places=tuple("".join(f"[{key!r}]" for key in path[1:]) for path in tensor_paths),
+                   donated=named_by(donate_argnums, "donate_argnums"),
+                   persistent=named_by(persistent_argnums, "persistent_argnums"))
+
+
+def _check_names_tensors(index: int, option: str, args: tuple, arg_names: Sequence[str],
+                         tensor_paths: Sequence[tuple]) -> None:
+    """Raise unless positional argument `index` exists and holds a tensor."""
+    if not 0 <= index < len(args):
+        raise InputError(f"{option} names argument {index}, but the call passes {len(args)} positional arguments")
+    if not any(path[:2] == (0, index) for path in tensor_paths):
+        name = arg_names[index] if index < len(arg_names) else f"args[{index}]"
+        raise InputError(f"{option} names argument {index} ({name}), which holds no tensor "
+                         f"(it is a {type(args[index]).__name__}); {option} applies to tensors only")
