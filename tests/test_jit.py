@@ -67,13 +67,13 @@ def test_a_tensor_changed_in_place_in_layout_traces_again():
     assert fast.cache_info().misses == 2
 
 
-def test_the_call_guard_knows_a_pinned_tensor_by_identity_and_version():
+def test_the_call_guard_knows_a_tensor_read_in_place_by_identity_and_version():
     from dynaflow_fn.jitting.guard import Guard, call_state
 
     weight, x = torch.randn(3), torch.randn(3)
     leaves, treedef = optree.tree_flatten(((weight, x, 2), {}))
     state = call_state()
-    guard = Guard(treedef, leaves, pinned=[0], state=state)
+    guard = Guard(treedef, leaves, in_place=[0], state=state)
     assert guard.admits(treedef, [weight, torch.randn(3), 2], state)
     assert not guard.admits(treedef, [weight.clone(), x, 2], state)           # another tensor, same layout
     assert not guard.admits(treedef, [weight, torch.randn(4), 2], state)      # the other leaves are compared in full

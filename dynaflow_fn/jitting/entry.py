@@ -15,9 +15,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import compat, distributed
+from ..errors import InPlaceInputMoved
 from ..ir.tree import TensorSpec
 from ..plan.plan import Plan
-from ..runtime.cudagraph import AdoptedInputMoved, CudaGraphExecutable
+from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from .guard import Guard, check_no_aliasing, picker
 from .inputs import TensorInputs
@@ -70,7 +71,7 @@ class Entry:
         return outputs
 
     def replay(self, leaves: Sequence[Any]) -> Any:
-        """Run on leaves that `guard` admitted. Raises AdoptedInputMoved if a tensor read in place has
+        """Run on leaves that `guard` admitted. Raises InPlaceInputMoved if a tensor read in place has
         new memory, which may also mean a new layout (`t.data = ...`): the caller checks in full."""
         return self.run(self.inputs_of(leaves), rebuild_if_moved=False)
 
@@ -96,7 +97,7 @@ class Entry:
         executable = self.executable or self._build(tensors, None)
         try:
             outputs = executable(tensors)
-        except AdoptedInputMoved:
+        except InPlaceInputMoved:
             if not rebuild_if_moved:
                 raise
             outputs = self._build(tensors, executable)(tensors)
@@ -115,9 +116,9 @@ class Entry:
             if replacing is None and distributed.collective_signature(self.plan):
                 distributed.check_consistent(self.plan)
             if self.backend == "cudagraph":
-                adopt = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
+                read_in_place = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
                          for i, t in enumerate(tensors)]
-                self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, adopt,
+                self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, read_in_place,
                                                       self.static_outputs)
                 self.on_capture()
             else:
@@ -125,14 +126,14 @@ class Entry:
             return self.executable
 
     def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
-        """A guard for calls like this one: the executable's pinned inputs are known by identity and
+        """A guard for calls like this one: the executable's versioned inputs are known by identity and
         version, every other leaf by its full signature."""
-        pinned = set(self.executable.pinned_inputs)
+        versioned = set(self.executable.versioned_inputs)
         arguments = len(self.tensor_positions)
-        return Guard(treedef, leaves, [self.tensor_positions[i] for i in pinned if i < arguments], state,
+        return Guard(treedef, leaves, [self.tensor_positions[i] for i in versioned if i < arguments], state,
                      [m for m, _ in self.module_modes],
-                     captured_pinned=[self.captured[i - arguments] for i in pinned if i >= arguments],
-                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in pinned])
+                     captured_in_place=[self.captured[i - arguments] for i in versioned if i >= arguments],
+                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in versioned])
 
     def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs that, like eager ones computed from tensors requiring grad, require grad; their

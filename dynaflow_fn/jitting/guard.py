@@ -85,41 +85,41 @@ def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
 class Guard:
     """Whether a call fits the call that made this guard, cheaply.
 
-    Pinned leaves are tensors read in place: recognized by identity and version counter, which every
+    Leaves read in place are tensors read in place: recognized by identity and version counter, which every
     in-place change of shape or layout bumps (resize_, set_, t_, unsqueeze_, ...); the executable
     checks their addresses. What this cannot see is `t.data = v` with `v` at t's own address in
     another layout. Every other leaf is compared in full, as in the cache key, and so are the call
     state and the training flags the trace read. Tensors the function closes over
-    are the same objects on every call: those read in place (`captured_pinned`) are checked by
+    are the same objects on every call: those read in place (`captured_in_place`) are checked by
     version, the others (`captured_compared`) in full.
     """
 
-    def __init__(self, treedef: Any, leaves: Sequence[Any], pinned: Sequence[int], state: tuple,
-                 modules: Sequence[torch.nn.Module] = (), captured_pinned: Sequence[torch.Tensor] = (),
+    def __init__(self, treedef: Any, leaves: Sequence[Any], in_place: Sequence[int], state: tuple,
+                 modules: Sequence[torch.nn.Module] = (), captured_in_place: Sequence[torch.Tensor] = (),
                  captured_compared: Sequence[torch.Tensor] = ()):
         self.treedef = treedef
         self.state = state
-        self.pick_pinned = picker(pinned)
-        chosen = set(pinned)
+        self.pick_in_place = picker(in_place)
+        chosen = set(in_place)
         self.pick_rest = picker([i for i in range(len(leaves)) if i not in chosen])
-        self.pinned = self.pick_pinned(leaves)
-        self.versions = list(map(_VERSION, self.pinned))
+        self.in_place = self.pick_in_place(leaves)
+        self.versions = list(map(_VERSION, self.in_place))
         self.rest = signature(self.pick_rest(leaves))
         self.modules = list(modules)
         self.training = list(map(_TRAINING, self.modules))
-        self.captured_pinned = list(captured_pinned)
-        self.captured_versions = list(map(_VERSION, self.captured_pinned))
+        self.captured_in_place = list(captured_in_place)
+        self.captured_versions = list(map(_VERSION, self.captured_in_place))
         self.captured_compared = list(captured_compared)
         self.captured_signature = signature(self.captured_compared)
 
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
         if treedef != self.treedef or state != self.state:
             return False
-        pinned = self.pick_pinned(leaves)
-        return (all(map(operator.is_, pinned, self.pinned)) and list(map(_VERSION, pinned)) == self.versions
+        in_place = self.pick_in_place(leaves)
+        return (all(map(operator.is_, in_place, self.in_place)) and list(map(_VERSION, in_place)) == self.versions
                 and signature(self.pick_rest(leaves)) == self.rest
                 and list(map(_TRAINING, self.modules)) == self.training
-                and list(map(_VERSION, self.captured_pinned)) == self.captured_versions
+                and list(map(_VERSION, self.captured_in_place)) == self.captured_versions
                 and signature(self.captured_compared) == self.captured_signature)
 
 

@@ -23,10 +23,9 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..errors import InputError
+from ..errors import InPlaceInputMoved, InputError
 from ..ir.program import Program
 from ..plan.plan import Plan
-from ..runtime.cudagraph import AdoptedInputMoved
 from . import autotune, pipeline
 from .donation import match_donations
 from .entry import Entry
@@ -88,7 +87,7 @@ class Jitted:
                 outputs = last.replay(leaves)
                 self.hits += 1
                 return outputs
-            except AdoptedInputMoved:
+            except InPlaceInputMoved:
                 pass
         try:
             key = (treedef, signature(leaves), state)

@@ -1,13 +1,13 @@
 """The cudagraph backend: capture the whole multi-stream Plan once into one CUDA graph; replay it.
 
 At bind time every tensor the plan touches gets a fixed address: the arena, the output buffers, and a
-static buffer per input. Inputs read in place are *adopted*: `nn.Parameter`s, donated and persistent
+static buffer per input. Some inputs are *read in place*: `nn.Parameter`s, donated and persistent
 arguments and the tensors the function closes over; the graph reads (and, for donated ones, writes)
 the caller's own tensor, so they are never copied. Other inputs are copied into their static buffers
-before each replay. If an adopted tensor later arrives at a different address, the executable
+before each replay. If such a tensor later arrives at a different address, the executable
 reports it and `jit` captures again.
 
-A call is: copy the non-adopted inputs, replay, then clone the outputs (or hand out the static
+A call is: copy the inputs not read in place, replay, then clone the outputs (or hand out the static
 outputs themselves when the caller asked for them; the next call overwrites those). Calls take turns
 (`Turns`): the static buffers are shared. Capture restricts only its own thread's CUDA calls
 ("thread_local" mode), so other threads keep running CUDA work while a plan is captured.
@@ -32,36 +32,32 @@ from typing import Any, Sequence
 import torch
 
 from .. import compat
+from ..errors import InPlaceInputMoved
 from ..plan.plan import Plan
 from .interpreter import BoundPlan
 from .turns import Turns
 
 
-class AdoptedInputMoved(Exception):
-    """An adopted input (a tensor read in place) arrived at a new address: capture again."""
-
-
 class CudaGraphExecutable:
     """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring).
 
-    `pinned_inputs` are the positions of the inputs the graph reads at their own address whose version
+    `versioned_inputs` are the positions of the inputs the graph reads at their own address whose version
     counter can be read (not inference tensors): the same tensor at the same version needs no other check."""
 
     def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
-                 adopt: Sequence[bool], static_outputs: bool = False):
+                 in_place: Sequence[bool], static_outputs: bool = False):
         self.plan = plan
         self.static_outputs = static_outputs
         self.bound = BoundPlan(plan, device)
-        self.adopt = list(adopt)
-        self.static_inputs = [tensor if adopted else torch.empty_strided(tensor.shape, tensor.stride(),
+        self.static_inputs = [tensor if read_in_place else torch.empty_strided(tensor.shape, tensor.stride(),
                                                                           dtype=tensor.dtype, device=device)
-                              for tensor, adopted in zip(inputs, adopt)]
-        self.copied = [i for i, adopted in enumerate(adopt) if not adopted]
-        self.adopted = [i for i, adopted in enumerate(adopt) if adopted]
-        self.pinned_inputs = tuple(i for i in self.adopted if not inputs[i].is_inference())
-        self.addresses = [tensor.data_ptr() if adopted else None for tensor, adopted in zip(inputs, adopt)]
+                              for tensor, read_in_place in zip(inputs, in_place)]
+        self.copied = [i for i, read_in_place in enumerate(in_place) if not read_in_place]
+        self.in_place = [i for i, read_in_place in enumerate(in_place) if read_in_place]
+        self.versioned_inputs = tuple(i for i in self.in_place if not inputs[i].is_inference())
+        self.addresses = [tensor.data_ptr() if read_in_place else None for tensor, read_in_place in zip(inputs, in_place)]
         self.written_inputs = plan.written_inputs()
-        self.write_back = [i for i in self.written_inputs if not adopt[i]]
+        self.write_back = [i for i in self.written_inputs if not in_place[i]]
         self.env = self.bound.new_env(self.static_inputs)
         self.bound.allocate_outputs(self.env)
         input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
@@ -103,8 +99,8 @@ class CudaGraphExecutable:
                 self.static_inputs[i].copy_(source.detach() if source.requires_grad else source)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        if not compat.data_ptrs_equal(inputs, self.addresses, self.adopted):
-            raise AdoptedInputMoved()
+        if not compat.data_ptrs_equal(inputs, self.addresses, self.in_place):
+            raise InPlaceInputMoved()
         with self.turns:
             self._load_inputs(inputs)
             self.graph.replay()

@@ -19,9 +19,9 @@ from .turns import Turns
 class EagerExecutable:
     """A Plan interpreted on every call, on whatever tensors the call passes.
 
-    `pinned_inputs` is empty: no input is bound to an address, so each call's inputs are checked in full."""
+    `versioned_inputs` is empty: no input is bound to an address, so each call's inputs are checked in full."""
 
-    pinned_inputs: tuple[int, ...] = ()
+    versioned_inputs: tuple[int, ...] = ()
 
     def __init__(self, plan: Plan, device: torch.device):
         self.bound = BoundPlan(plan, device)
