@@ -9,6 +9,7 @@ matmul. Side by side, per case:
   df                       df.jit(decoder_stack) with weights and caches persistent (read in place)
   df.substituted           the same after T.substitute({T.Region("attn"): sdpa_decode}): the region runs
                            F.scaled_dot_product_attention (flash attention) instead
+  df.substituted-inductor  the same with backend="inductor": the other stages' elementwise work fused
 
 Reports medians (CUDA events) and the speedup over `df`; writes bench/results/substitute.json.
 
@@ -55,6 +56,8 @@ def rows_for(sequences: int, context: int, device: torch.device) -> list[dict]:
         "compile-reduce-overhead": lambda: compiled(decoder_stack, args, "reduce-overhead", static=(0, 2, 3)),
         BASELINE: lambda: jitted(decoder_stack, args, persistent=(0, 2, 3)),
         "df.substituted": lambda: jitted(substituted_stack, args, persistent=(0, 2, 3)),
+        "df.substituted-inductor": lambda: jitted(substituted_stack, args, persistent=(0, 2, 3),
+                                                  backend="inductor"),
     }
     rows = measure(f"decode {LAYERS} layers, {sequences} seqs x {context} tokens", variants, reference, inner=10)
     base = next(r["median_ms"] for r in rows if r["variant"] == BASELINE)
