@@ -11,7 +11,7 @@ import os
 from bench.common import RESULTS
 from bench.plot import plot
 
-COLUMNS = ("case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_eager",
+COLUMNS = ("case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_df", "speedup_vs_eager",
            "back_to_back_ms", "back_to_back_speedup", "ratio_vs_hand_graph", "hidden_fraction", "peak_mem_mb",
            "mem_vs_baseline", "build_s", "choice", "probe_wait_us", "probe_waited", "gemm_slowdown",
            "host_us_per_call", "tokens_per_s", "total_s")
