@@ -309,8 +309,8 @@ def sm_carveout_supported() -> bool:
 
 
 @contextlib.contextmanager
-def sm_carveout(sms: int) -> Iterator[None]:
-    """GEMMs launched inside leave `sms` SMs free, through cuBLASLt (the path that honours it).
+def sm_carveout(carveout: int) -> Iterator[None]:
+    """GEMMs launched inside leave `carveout` SMs free, through cuBLASLt (the path that honours it).
     Where torch lacks the carveout this does nothing: kernels then take every SM, which is slower
     beside a collective but computes the same."""
     if not sm_carveout_supported():
@@ -318,7 +318,7 @@ def sm_carveout(sms: int) -> Iterator[None]:
         return
     previous = torch._C._get_sm_carveout_experimental()
     previous_blas = torch.backends.cuda.preferred_blas_library()
-    torch._C._set_sm_carveout_experimental(sms)
+    torch._C._set_sm_carveout_experimental(carveout)
     torch.backends.cuda.preferred_blas_library("cublaslt")
     try:
         yield

@@ -13,6 +13,8 @@ from dynaflow_fn.plan.plan import Step, StepKind
 from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build, example_inputs
 from dynaflow_fn.testing.strategies import recipes
 
+__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "recipes", "scheduled", "step_lists"]
+
 
 def scheduled(fn, strategy, inputs: int, micro_batches: bool = True):
     """fn split into two micro-batches (optionally), one stage per node, ordered by `strategy`."""

@@ -69,7 +69,7 @@ def _unmatched_warning(rule, fn, params, x):
 def test_each_rule_type_says_why_it_matched_nothing_and_what_the_program_has():
     fn, params, x = _mlp()
     ops = {n.target for n in df.trace(fn, params, x).ops()}
-    op_names = sorted(df.ir.program.op_name(op) for op in ops)
+    op_names = sorted(df.ir.formatting.op_name(op) for op in ops)
 
     region = _unmatched_warning(T.Region("attn"), fn, params, x)
     assert "no `with df.region('attn')` block ran while tracing" in region and "aten." not in region

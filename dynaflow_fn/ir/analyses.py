@@ -13,7 +13,7 @@ def setup_nodes(program: Program) -> set[fx.Node]:
     that reads only them (masks, position ids, rotary tables)."""
     independent = {n for n in program.graph.nodes if n.op == "get_attr"}
     for node in program.ops():
-        if ops.can_precompute(node.target) and all(dep in independent for dep in node.all_input_nodes):
+        if ops.is_pure(node.target) and all(dep in independent for dep in node.all_input_nodes):
             independent.add(node)
     return independent
 

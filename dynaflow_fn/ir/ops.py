@@ -139,9 +139,9 @@ def is_mutating(op: Any) -> bool:
     return isinstance(op, OpOverload) and op._schema.is_mutable
 
 
-def can_precompute(op: Any) -> bool:
-    """Whether an op's result is fixed by its inputs alone, so that when those are constants it can be
-    computed once ahead of time: not random, not writing anything, not talking to other ranks."""
+def is_pure(op: Any) -> bool:
+    """Whether an op's result is fixed by its inputs alone: not random, not writing anything, not talking
+    to other ranks. Such an op reading only constants is setup work (`analyses.setup_nodes`)."""
     return not (is_random(op) or is_mutating(op) or is_collective(op))
 
 

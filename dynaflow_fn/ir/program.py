@@ -18,7 +18,7 @@ import optree
 import torch
 from torch import fx
 
-from .formatting import format_arg, format_call, op_name  # noqa: F401  (op_name: plan and passes import it here)
+from .formatting import format_arg, format_call
 from .python_source import python_source
 from .scopes import Scope
 
@@ -153,7 +153,7 @@ class Program:
     out_tree: optree.PyTreeSpec
     provenance: tuple[str, ...] = ()
     streams: tuple[Stream, ...] = (Stream(0, "main"),)
-    collective_sms: int | None = None   # T.overlap(comm_ctas=N): kernels beside a collective leave it N SMs
+    sm_carveout: int | None = None   # T.overlap(comm_ctas=N): SMs each kernel beside a collective leaves it
     source: Any = field(default=None, compare=False)
     passes: tuple[Any, ...] = field(default=(), compare=False)
     captured: tuple[Captured, ...] = field(default=(), compare=False)

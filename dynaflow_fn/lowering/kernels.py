@@ -31,14 +31,14 @@ from .reinplace import inplace_variant, mutated_arguments
 
 
 def kernels(draft: PlanDraft) -> None:
-    hoisted = setup_nodes(draft.program)
+    setup = setup_nodes(draft.program)
     for node in draft.issue_order:
         if node.target is operator.getitem:
             _forward_getitem(draft, node)
             continue
-        hoist = node in hoisted
-        step = _step_for(draft, node, hoist)
-        (draft.setup if hoist else draft.steps).append(step)
+        at_setup = node in setup
+        step = _step_for(draft, node, at_setup)
+        (draft.setup if at_setup else draft.steps).append(step)
 
 
 def _forward_getitem(draft: PlanDraft, node: fx.Node) -> None:
@@ -56,7 +56,7 @@ def _leaf_offset(values: Any, index: int) -> tuple[int, int]:
     return sum(count(v) for v in values[:index]), count(values[index])
 
 
-def _step_for(draft: PlanDraft, node: fx.Node, hoist: bool) -> Step:
+def _step_for(draft: PlanDraft, node: fx.Node, at_setup: bool) -> Step:
     op = node.target
     stream = info(node).stream or 0
     args, kwargs = draft.ref(tuple(node.args)), draft.ref(dict(node.kwargs))
@@ -67,16 +67,16 @@ def _step_for(draft: PlanDraft, node: fx.Node, hoist: bool) -> Step:
                         note="input mutation write-back")
     if ops.is_mutating(op):
         raise NotImplementedError(f"in-place op {op} on a non-input in the functional graph ({node.name})")
-    if node in draft.inplace and not hoist:
+    if node in draft.inplace and not at_setup:
         return _inplace_step(draft, node, stream, args, kwargs)
     if ops.is_collective_wait(op):
         return _wait_step(draft, node, stream, args)
-    return _computed_step(draft, node, hoist, stream, args, kwargs)
+    return _computed_step(draft, node, at_setup, stream, args, kwargs)
 
 
-def _computed_step(draft: PlanDraft, node: fx.Node, hoist: bool, stream: int, args: tuple, kwargs: dict) -> Step:
+def _computed_step(draft: PlanDraft, node: fx.Node, at_setup: bool, stream: int, args: tuple, kwargs: dict) -> Step:
     """A VIEW when every result aliases known memory, else a KERNEL into the arena if its out= overload
-    fits, else an ALLOC (a CONSTANT computed once when hoisted to setup)."""
+    fits, else an ALLOC (a CONSTANT computed once, when it is setup work)."""
     op, values = node.target, flat_values(node)
     tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     fresh = [(i, v) for i, v in tensors if storage_key(v) not in draft.storage_of_key]
@@ -88,16 +88,16 @@ def _computed_step(draft: PlanDraft, node: fx.Node, hoist: bool, stream: int, ar
         outputs = tuple(draft.slot_for_value(node, i, v, False) for i, v in tensors)
         return new_step(StepKind.VIEW, stream, op, args, kwargs, outputs, node=node.name,
                         result_indices=result_indices)
-    variant = None if hoist else ops.out_variant(op) if isinstance(op, OpOverload) else None
+    variant = None if at_setup else ops.out_variant(op) if isinstance(op, OpOverload) else None
     if (variant is not None and variant.direct and len(fresh) == len(values)
             and all(_is_whole_storage(v) for _, v in fresh) and out_call_is_faithful(node, variant)):
         outputs = tuple(draft.slot_for_value(node, i, v, True, StorageKind.ARENA) for i, v in tensors)
         pos, kw = variant.call_arguments(ops.bind_arguments(op, args, kwargs))
         return new_step(StepKind.KERNEL, stream, variant.op, tuple(pos), kw, outputs, out_names=variant.out_names,
                         node=node.name)
-    kind = StorageKind.CONSTANT if hoist else StorageKind.DYNAMIC
+    kind = StorageKind.CONSTANT if at_setup else StorageKind.DYNAMIC
     outputs = tuple(draft.slot_for_value(node, i, v, False, kind) for i, v in tensors)
-    note = "" if hoist else (getattr(op, "note", "no out= overload") if variant is None else
+    note = "" if at_setup else (getattr(op, "note", "no out= overload") if variant is None else
                              "its out= kernel is not known to write only its result" if not variant.direct else
                              "out= overload does not fit")
     return new_step(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,

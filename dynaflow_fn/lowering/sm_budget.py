@@ -2,7 +2,7 @@
 
 A persistent GEMM takes every SM, and a collective's thread blocks would wait for it to finish instead
 of running beside it. So the kernels that may run while a collective does (neither ordered before nor
-after it) are marked to leave `collective_sms` SMs free.
+after it) are marked to leave `sm_carveout` SMs free.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from .draft import PlanDraft
 
 
 def sm_budget(draft: PlanDraft) -> None:
-    steps, clocks, sms = draft.steps, draft.clocks, draft.program.collective_sms
+    steps, clocks, carveout = draft.steps, draft.clocks, draft.program.sm_carveout
     collectives = np.array([s.index for s in steps if ops.launches_collective(s.op)], dtype=np.int64)
-    if sms is None or not len(collectives):
+    if carveout is None or not len(collectives):
         return
     everything = np.arange(len(steps))
     beside = np.zeros(len(steps), dtype=bool)
     for c in collectives:
         beside |= ~clocks.before_all(c, everything) & ~clocks.after_all(c, everything)
     beside[collectives] = False
-    draft.steps = [replace(s, sm_carveout=sms) if beside[s.index] and s.kind in (StepKind.KERNEL, StepKind.ALLOC)
+    draft.steps = [replace(s, sm_carveout=carveout) if beside[s.index] and s.kind in (StepKind.KERNEL, StepKind.ALLOC)
                    else s for s in steps]

@@ -34,7 +34,8 @@ from ..compat import OpOverload, compile_with_inductor
 from ..errors import warn
 from ..ir import ops
 from ..ir.analyses import setup_nodes
-from ..ir.program import NodeInfo, Program, info, op_name
+from ..ir.formatting import op_name
+from ..ir.program import NodeInfo, Program, info
 from ..transforms.base import Pass, record
 
 NO_INDUCTOR = "no-inductor"
@@ -108,7 +109,7 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
     an input) neither join nor break a run: they cost nothing, and keeping them outside lets the
     micro-batches' runs share one compiled graph.
     """
-    precomputed = setup_nodes(program)
+    setup = setup_nodes(program)
     runs: list[list[fx.Node]] = []
     run_of: dict[fx.Node, int] = {}
     open_key: Any = None
@@ -121,7 +122,7 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
             continue
         if ops.is_view(node.target) and not any(dep in run_of for dep in node.all_input_nodes):
             continue
-        if not _compilable(node, precomputed):
+        if not _compilable(node, setup):
             open_key = None
             continue
         node_info = info(node)
@@ -134,10 +135,10 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
     return [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
 
 
-def _compilable(node: fx.Node, precomputed: set[fx.Node]) -> bool:
+def _compilable(node: fx.Node, setup: set[fx.Node]) -> bool:
     op = node.target
-    return (isinstance(op, OpOverload) and ops.can_precompute(op) and not _returns_tensor_lists(op)
-            and node not in precomputed and NO_INDUCTOR not in info(node).tags)
+    return (isinstance(op, OpOverload) and ops.is_pure(op) and not _returns_tensor_lists(op)
+            and node not in setup and NO_INDUCTOR not in info(node).tags)
 
 
 def _returns_tensor_lists(op: OpOverload) -> bool:

@@ -15,7 +15,8 @@ from typing import Any
 import optree
 import torch
 
-from ..ir.program import Captured, InputSpec, OutputSpec, Program, Stream, dtype_name, format_arg, op_name
+from ..ir.formatting import format_arg, op_name
+from ..ir.program import Captured, InputSpec, OutputSpec, Program, Stream, dtype_name
 from ..ir.tree import TensorSpec
 
 

@@ -46,10 +46,10 @@ def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
     runner = _compile_step(step)
     if not (carveout and step.sm_carveout and sm_carveout_supported()):
         return runner
-    sms = step.sm_carveout
+    reserved = step.sm_carveout
 
     def run_leaving_sms(env: Env) -> None:
-        with sm_carveout(sms):
+        with sm_carveout(reserved):
             runner(env)
     return run_leaving_sms
 

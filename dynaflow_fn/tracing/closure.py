@@ -6,7 +6,7 @@ a constant, work derived from it would be computed once and go stale when the ca
 tensor in place (an optimizer step, `w.add_(1)`), while direct reads of it see the update: a
 silently half-updated result. So every such tensor is lifted to a *captured input*: a placeholder
 after the argument placeholders, bound on every call to the same tensor object, as JAX's closure
-conversion does. Nothing derived from it is precomputed; the CUDA-graph backend reads it at its own
+conversion does. Nothing derived from it is setup work; the CUDA-graph backend reads it at its own
 address; jit's per-call check sees its version counter and address like a parameter's.
 
 Only the tensors `make_fx` creates itself stay constants: a literal such as `torch.tensor([1., 2.])`

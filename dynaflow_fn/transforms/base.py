@@ -17,6 +17,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
+from ..errors import TransformError
 from ..ir.program import Program
 from ..tracing.tracer import trace_function
 
@@ -90,6 +91,18 @@ class Transformed:
 def record(program: Program, new: Program, p: Pass) -> Program:
     """Stamp a pass's result with its provenance line and remember the pass for re-tracing."""
     return dataclasses.replace(new, provenance=program.provenance + (p.describe(),), passes=program.passes + (p,))
+
+
+def retraced(program: Program, p: Pass, name: str) -> Program:
+    """How a pass that changes what gets traced (`wrap_body`) applies to a Program: trace the
+    Program's source again with the pass's body, then redo the passes the Program had."""
+    source = program.source
+    if source is None:
+        raise TransformError(f"{name} needs the function a Program was traced from; this Program has none")
+    new = trace_function(source.fn, source.args, source.kwargs, body=p.wrap_body(source.body))
+    for earlier in program.passes:
+        new = earlier.apply(new)
+    return new
 
 
 def apply_transform(target: Any, p: Pass) -> Any:

@@ -27,8 +27,7 @@ from ..errors import TransformError, warn
 from ..ir.program import Program
 from ..ir.tree import TensorSpec, argument_names, output_path_to_str, path_to_str
 from ..tracing.regions import active_recorder
-from ..tracing.tracer import trace_function
-from .base import Pass, apply_transform
+from .base import Pass, apply_transform, retraced
 from .microbatch_body import BodyFacts, merge_warning, study_body, studying
 
 _REDUCTIONS = ("sum", "mean")
@@ -66,12 +65,7 @@ class MicrobatchPass(Pass):
         if program.is_scheduled():
             raise TransformError("microbatch after overlap: the schedule was made for the unsplit program. "
                                  "Apply microbatch before overlap.")
-        source = program.source
-        if source is None:
-            raise TransformError("microbatch needs the function a Program was traced from; this Program has none")
-        new = trace_function(source.fn, source.args, source.kwargs, body=self.wrap_body(source.body))
-        for p in program.passes:
-            new = p.apply(new)
+        new = retraced(program, self, "microbatch")
         return dataclasses.replace(new, provenance=program.provenance + (self.describe(),))
 
     def body_facts(self, body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any],

@@ -55,7 +55,7 @@ class OverlapPass(Pass):
             return node_info.replace(order=order[node.name], stream=stream_of[node_info.stage],
                                      after=after[node_info.stage])
 
-        return record(program, program.annotate(update, streams=streams, collective_sms=self.comm_ctas), self)
+        return record(program, program.annotate(update, streams=streams, sm_carveout=self.comm_ctas), self)
 
 
 def _on_comm_group(program: Program, max_ctas: int) -> Program:

@@ -34,8 +34,7 @@ from ..ir import ops
 from ..ir.program import NodeInfo, Program, copy_graph_module, info, type_str
 from ..ir.scopes import Scope
 from ..tracing.regions import active_recorder, last_node, nodes_after
-from ..tracing.tracer import trace_function
-from .base import Pass, apply_transform, record
+from .base import Pass, apply_transform, record, retraced
 from .partition_rules import Module, Region, Rule
 from .splicing import DEFAULT_TOLERANCES, Region as Match, check_agrees, splice, trace_impl
 
@@ -132,13 +131,7 @@ class ModuleLookaside(Pass):
 
     def apply(self, program: Program) -> Program:
         """On a Program: trace its source again with the lookasides, then redo the passes it had."""
-        source = program.source
-        if source is None:
-            raise TransformError("substitute needs the function a Program was traced from; this Program has none")
-        new = trace_function(source.fn, source.args, source.kwargs, body=self.wrap_body(source.body))
-        for p in program.passes:
-            new = p.apply(new)
-        return record(program, new, self)
+        return record(program, retraced(program, self, "substitute"), self)
 
     def describe(self) -> str:
         return f"substitute({', '.join(f'{rule} -> {_name(impl)}' for rule, impl in self.rules.items())})"

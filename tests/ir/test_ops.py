@@ -111,12 +111,12 @@ def test_collective_facts():
     assert ops.is_collective(all_reduce) and ops.launches_collective(all_reduce)
     assert ops.is_collective(wait) and ops.is_collective_wait(wait) and not ops.launches_collective(wait)
     assert ops.is_view(wait)
-    assert not ops.can_precompute(all_reduce)
+    assert not ops.is_pure(all_reduce)
 
 
 def test_only_pure_deterministic_local_ops_can_be_precomputed():
-    assert ops.can_precompute(aten.add.Tensor) and ops.can_precompute(aten.arange.start)
-    assert not ops.can_precompute(aten.bernoulli.default)
-    assert not ops.can_precompute(aten.native_dropout.default)
-    assert not ops.can_precompute(aten.add_.Tensor)
+    assert ops.is_pure(aten.add.Tensor) and ops.is_pure(aten.arange.start)
+    assert not ops.is_pure(aten.bernoulli.default)
+    assert not ops.is_pure(aten.native_dropout.default)
+    assert not ops.is_pure(aten.add_.Tensor)
     assert not ops.is_mutating(len) and not ops.is_view(len) and not ops.is_random(len)
