@@ -5,7 +5,8 @@
 `check_scheduler` runs the scheduler over random programs (valid schedule, race-free plan, exact
 results, the same plan twice); `assert_equivalent` checks your model under it on fresh inputs,
 uneven micro-batches included. The plugin seeds every test from its name and skips GPU tests
-where there is no GPU (the `cuda_device` fixture). It needs the test extra: pip install -e ".[test]".
+where there is no GPU (the `cuda_device` fixture). The README's first set-up command installs what it
+needs (the examples extra brings pytest and hypothesis).
 """
 
 import torch

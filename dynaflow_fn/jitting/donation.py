@@ -9,6 +9,7 @@ import torch
 
 from ..errors import warn
 from ..ir.program import Program
+from ..ir.tree import TensorSpec
 from .inputs import TensorInputs
 
 
@@ -27,7 +28,7 @@ def match_donations(program: Program, inputs: TensorInputs) -> dict[int, int]:
     def fits(out_index: int | None, wanted: torch.Tensor) -> bool:
         value = outputs[out_index].meta.get("val") if out_index is not None else None
         return out_index not in claimed and isinstance(value, torch.Tensor) and (
-            (value.shape, value.stride(), value.dtype) == (wanted.shape, wanted.stride(), wanted.dtype))
+            TensorSpec.of(value) == TensorSpec.of(wanted))
 
     for in_index in sorted(inputs.donated):
         node = placeholders[in_index]

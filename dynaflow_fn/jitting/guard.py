@@ -48,7 +48,8 @@ def static_key(leaf: Any) -> Any:
 
 
 def signature(leaves: Sequence[Any]) -> tuple:
-    """Per leaf: a tensor's shape, strides, dtype and device, or a static leaf's key."""
+    """Per leaf: a tensor's shape, strides, dtype and device (the fields of `TensorSpec`, as a plain
+    tuple: this runs on every call that misses the fast check), or a static leaf's key."""
     return tuple([(leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
                   else static_key(leaf) for leaf in leaves])
 

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import InputError
 from ..ir.program import Program, dtype_name
+from ..ir.tree import TensorSpec
 
 
 def checked_donation(program: Program, donate: Mapping[int, int] | None) -> dict[int, int]:
@@ -40,19 +41,15 @@ def checked_donation(program: Program, donate: Mapping[int, int] | None) -> dict
                              f"{input_name(in_index)}; an input can receive one output")
         receiver[in_index] = out_index
         value, wanted = outputs[out_index].meta.get("val"), placeholders[in_index].meta["val"]
-        if not isinstance(value, torch.Tensor) or _layout(value) != _layout(wanted):
+        if not isinstance(value, torch.Tensor) or TensorSpec.of(value) != TensorSpec.of(wanted):
             raise InputError(f"{pair}: {output_name(out_index)} is {_layout_text(value)} but {input_name(in_index)} is "
                              f"{_layout_text(wanted)}; an output is donated only to an input of the same shape, "
                              f"strides, dtype and device")
     return dict(donate)
 
 
-def _layout(tensor: torch.Tensor) -> tuple:
-    return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device
-
-
 def _layout_text(value: Any) -> str:
     if not isinstance(value, torch.Tensor):
         return f"not a tensor: {type(value).__name__}"
-    shape, stride, dtype, device = _layout(value)
-    return f"{dtype_name(dtype)}{list(shape)} strides {stride} on {device}"
+    spec = TensorSpec.of(value)
+    return f"{dtype_name(spec.dtype)}{list(spec.shape)} strides {spec.stride} on {spec.device}"

@@ -12,6 +12,7 @@ from torch import fx
 
 from ..compat import OpOverload
 from ..ir import ops
+from ..ir.tree import TensorSpec
 from .draft import flat_values, map_nodes, storage_key
 
 
@@ -60,7 +61,7 @@ def out_call_is_faithful(node: fx.Node, variant: ops.OutVariant) -> bool:
 
 def _meta_signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.stride(), value.dtype, value.device)
+        return TensorSpec.of(value)
     if isinstance(value, (list, tuple)):
         return tuple(_meta_signature(v) for v in value)
     if isinstance(value, dict):

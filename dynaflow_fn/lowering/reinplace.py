@@ -25,6 +25,7 @@ from torch import fx
 
 from ..compat import OpOverload, StorageWeakRef, has_internal_overlap
 from ..ir import ops
+from ..ir.tree import TensorSpec
 from ..plan.plan import Layout
 from .draft import PlanDraft
 from .out_kernels import allocates
@@ -154,7 +155,7 @@ def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object
     old = self_node.meta.get("val")
     if not isinstance(old, torch.Tensor) or not isinstance(result, torch.Tensor):
         return False
-    if (old.shape, old.stride(), old.dtype) != (result.shape, result.stride(), result.dtype):
+    if TensorSpec.of(old) != TensorSpec.of(result):
         return False
     if has_internal_overlap(old):
         return False

@@ -36,6 +36,7 @@ from ..ir import ops
 from ..ir.analyses import setup_nodes
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
+from ..ir.tree import TensorSpec
 from ..transforms.base import Pass, record
 
 NO_INDUCTOR = "no-inductor"
@@ -231,7 +232,7 @@ def _layout(value: Any) -> Any:
     16-byte aligned (Inductor's kernels may rely on it)."""
     if isinstance(value, torch.Tensor):
         aligned = value.storage_offset() * value.element_size() % 16 == 0
-        return (tuple(value.shape), value.stride(), value.dtype, value.device, aligned)
+        return TensorSpec.of(value), aligned
     return repr(value)
 
 

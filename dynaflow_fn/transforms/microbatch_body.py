@@ -203,4 +203,4 @@ def _recipe(program: Program, output: fx.Node) -> list[tuple]:
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple:
-    return ("tensor", tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+    return ("tensor", TensorSpec.of(tensor))

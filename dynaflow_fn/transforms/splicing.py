@@ -83,7 +83,7 @@ def trace_impl(impl: Callable[..., Any], region: Region, rule: str) -> Program:
                              f"region produces {len(region.outputs)} ({_listing(region.outputs)})")
     for index, (old, new) in enumerate(zip(region.outputs, produced)):
         before, after = old.meta["val"], new.meta["val"]
-        if (before.shape, before.dtype, before.stride()) != (after.shape, after.dtype, after.stride()):
+        if TensorSpec.of(before) != TensorSpec.of(after):
             raise TransformError(f"the implementation for {rule} returns {type_str(after)} as output {index}, "
                                  f"where the region produces {type_str(before)} ({old.name}); shapes, dtypes "
                                  f"and strides must match")

@@ -33,6 +33,7 @@ from ..errors import InputError, TransformError
 from ..ir import ops
 from ..ir.program import NodeInfo, Program, copy_graph_module, info, type_str
 from ..ir.scopes import Scope
+from ..ir.tree import TensorSpec
 from ..tracing.regions import active_recorder, last_node, nodes_after
 from .base import Pass, apply_transform, record, retraced
 from .partition_rules import Module, Region, Rule
@@ -246,8 +247,7 @@ def _check_layouts(rule: Module, expected: Any, result: Any) -> None:
     if want_tree != got_tree:
         raise TransformError(f"the implementation for {rule} returns {got_tree}, where the module returns {want_tree}")
     for index, (a, b) in enumerate(zip(want, got)):
-        if isinstance(a, torch.Tensor) and (not isinstance(b, torch.Tensor) or
-                                            (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride())):
+        if isinstance(a, torch.Tensor) and (not isinstance(b, torch.Tensor) or TensorSpec.of(a) != TensorSpec.of(b)):
             raise TransformError(f"the implementation for {rule} returns {type_str(b)} as output {index}, where "
                                  f"the module returns {type_str(a)}; shapes, dtypes and strides must match")
 
