@@ -10,6 +10,7 @@ matmul. Side by side, per case:
   df.substituted           the same after T.substitute({T.Region("attn"): sdpa_decode}): the region runs
                            F.scaled_dot_product_attention (flash attention) instead
   df.substituted-inductor  the same with backend="inductor": the other stages' elementwise work fused
+  df.substituted-splitkv   the region replaced by a split-KV Triton kernel (bench/split_kv_attention.py)
 
 Reports medians (CUDA events) and the speedup over `df`; writes bench/results/substitute.json.
 
@@ -17,6 +18,8 @@ Reports medians (CUDA events) and the speedup over `df`; writes bench/results/su
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +44,17 @@ def sdpa_decode(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     return F.scaled_dot_product_attention(q, k_cache, v_cache).reshape(batch, Q_HEADS * HEAD_DIM)
 
 
+def split_kv_decode_region(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The attention region as the split-KV Triton kernel of bench/split_kv_attention.py."""
+    from bench.split_kv_attention import split_kv_decode
+
+    batch = qkv.shape[0]
+    q = qkv[:, : Q_HEADS * HEAD_DIM].view(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
+    return split_kv_decode(q, k_cache, v_cache)
+
+
 substituted_stack = T.substitute(decoder_stack, {T.Region("attn"): sdpa_decode})
+split_kv_stack = T.substitute(decoder_stack, {T.Region("attn"): split_kv_decode_region})
 
 
 def rows_for(sequences: int, context: int, device: torch.device) -> list[dict]:
@@ -59,6 +72,8 @@ def rows_for(sequences: int, context: int, device: torch.device) -> list[dict]:
         "df.substituted-inductor": lambda: jitted(substituted_stack, args, persistent=(0, 2, 3),
                                                   backend="inductor"),
     }
+    if importlib.util.find_spec("triton") is not None:
+        variants["df.substituted-splitkv"] = lambda: jitted(split_kv_stack, args, persistent=(0, 2, 3))
     rows = measure(f"decode {LAYERS} layers, {sequences} seqs x {context} tokens", variants, reference, inner=10)
     base = next(r["median_ms"] for r in rows if r["variant"] == BASELINE)
     for row in rows:
