@@ -75,13 +75,18 @@ def make_inputs(shape, layers, sequences, context, device):
     return weights, w(sequences, shape.hidden) * 50, cache(), cache(), shape
 
 
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def ms_per_call(call, args, repeats=20):
     call(*args)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         call(*args)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    synchronize()
     return (time.perf_counter() - start) / repeats * 1e3
 
 

@@ -116,8 +116,8 @@ class Entry:
             if replacing is None and distributed.collective_signature(self.plan):
                 distributed.check_consistent(self.plan)
             if self.backend == "cudagraph":
-                read_in_place = [(isinstance(t, torch.nn.Parameter) or i in self.in_place) and t.device == self.plan.device
-                         for i, t in enumerate(tensors)]
+                read_in_place = [(isinstance(t, torch.nn.Parameter) or i in self.in_place)
+                                 and t.device == self.plan.device for i, t in enumerate(tensors)]
                 self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, read_in_place,
                                                       self.static_outputs)
                 self.on_capture()

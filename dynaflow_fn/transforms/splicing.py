@@ -82,12 +82,17 @@ def trace_impl(impl: Callable[..., Any], region: Region, rule: str) -> Program:
         raise TransformError(f"the implementation for {rule} returns {len(replacement.outputs)} values, but the "
                              f"region produces {len(region.outputs)} ({_listing(region.outputs)})")
     for index, (old, new) in enumerate(zip(region.outputs, produced)):
-        before, after = old.meta["val"], new.meta["val"]
-        if TensorSpec.of(before) != TensorSpec.of(after):
-            raise TransformError(f"the implementation for {rule} returns {type_str(after)} as output {index}, "
-                                 f"where the region produces {type_str(before)} ({old.name}); shapes, dtypes "
-                                 f"and strides must match")
+        check_layout(rule, index, old.meta["val"], new.meta["val"], "the region produces", old.name)
     return replacement
+
+
+def check_layout(rule: str, index: int, expected: torch.Tensor, got: Any, original: str, name: str = "") -> None:
+    """Refuse an implementation whose output `index` is not laid out as the original's: later code was
+    traced for that shape, dtype and those strides. `original` says what the original is."""
+    if not isinstance(got, torch.Tensor) or TensorSpec.of(expected) != TensorSpec.of(got):
+        where = f" ({name})" if name else ""
+        raise TransformError(f"the implementation for {rule} returns {type_str(got)} as output {index}, where "
+                             f"{original} {type_str(expected)}{where}; shapes, dtypes and strides must match")
 
 
 def splice(graph_module: fx.GraphModule, region: Region, replacement: Program, marker: Scope) -> None:
@@ -135,7 +140,7 @@ def check_agrees(graph_module: fx.GraphModule, region: Region, impl: Callable[..
             bad = difference > 0
         if bad.any():
             worst = int(torch.argmax(torch.where(bad, difference, torch.zeros_like(difference))))
-            position = list(_unravel(worst, want.shape))
+            position = [int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)]
             raise TransformError(
                 f"the implementation for {rule} disagrees with the region it replaces on random inputs: output "
                 f"{index} ({type_str(want)}) differs by up to {float(difference[bad].max()):.3g} (at index "
@@ -172,14 +177,6 @@ def _fresh_attribute(graph_module: fx.GraphModule, name: str) -> str:
         count += 1
         candidate = f"substituted_{name}_{count}"
     return candidate
-
-
-def _unravel(index: int, shape: Sequence[int]) -> list[int]:
-    position = []
-    for size in reversed(shape):
-        position.append(index % size)
-        index //= size
-    return list(reversed(position)) if shape else []
 
 
 def _format_target(node: fx.Node) -> str:

@@ -31,13 +31,12 @@ import torch
 from ..compat import get_proxy_mode
 from ..errors import InputError, TransformError
 from ..ir import ops
-from ..ir.program import NodeInfo, Program, copy_graph_module, info, type_str
+from ..ir.program import NodeInfo, Program, copy_graph_module, info
 from ..ir.scopes import Scope
-from ..ir.tree import TensorSpec
 from ..tracing.regions import active_recorder, last_node, nodes_after
 from .base import Pass, apply_transform, record, retraced
 from .partition_rules import Module, Region, Rule
-from .splicing import DEFAULT_TOLERANCES, Region as Match, check_agrees, splice, trace_impl
+from .splicing import DEFAULT_TOLERANCES, Region as Match, check_agrees, check_layout, splice, trace_impl
 
 
 def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None = None, *, check: bool = False,
@@ -47,7 +46,7 @@ def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None =
     rules: `{T.Module(cls_or_regex): impl(module, *args, **kwargs), T.Region(name): impl(*inputs)}`.
         Every rule must match at least once.
     check: run each matched region and its impl on random inputs and require agreement within
-        `tolerances` ((rtol, atol) per dtype; default torch.testing.assert_close's), raising a
+        `tolerances` ((rtol, atol) per dtype; defaults in `splicing.DEFAULT_TOLERANCES`), raising a
         TransformError that shows the largest difference otherwise. Module rules are checked for
         output layouts only: their original runs inside the module, on the trace's values.
     """
@@ -102,13 +101,17 @@ class RegionSubstitution(Pass):
                 if self.check:
                     check_agrees(graph_module, match, impl, str(rule), self.tolerances)
                 splice(graph_module, match, replacement, Scope("substitution", str(rule), 0))
-        graph_module.graph.lint()
+        try:
+            graph_module.graph.lint()
+        except RuntimeError as error:
+            raise TransformError(f"substitute: the program is not well formed after splicing in the implementations "
+                                 f"({error}); a region whose nodes interleave with code outside it cannot be "
+                                 f"replaced") from error
         graph_module.recompile()
         return record(program, program.with_graph(graph_module), self)
 
     def describe(self) -> str:
-        rules = ", ".join(f"{rule} -> {_name(impl)}" for rule, impl in self.rules.items())
-        return f"substitute({rules}{', check=True' if self.check else ''})"
+        return f"substitute({_rules_text(self.rules)}{', check=True' if self.check else ''})"
 
 
 class ModuleLookaside(Pass):
@@ -135,7 +138,7 @@ class ModuleLookaside(Pass):
         return record(program, retraced(program, self, "substitute"), self)
 
     def describe(self) -> str:
-        return f"substitute({', '.join(f'{rule} -> {_name(impl)}' for rule, impl in self.rules.items())})"
+        return f"substitute({_rules_text(self.rules)})"
 
 
 def _modules_reached(body: Callable[..., Any]) -> list[tuple[str, torch.nn.Module]]:
@@ -247,10 +250,10 @@ def _check_layouts(rule: Module, expected: Any, result: Any) -> None:
     if want_tree != got_tree:
         raise TransformError(f"the implementation for {rule} returns {got_tree}, where the module returns {want_tree}")
     for index, (a, b) in enumerate(zip(want, got)):
-        if isinstance(a, torch.Tensor) and (not isinstance(b, torch.Tensor) or TensorSpec.of(a) != TensorSpec.of(b)):
-            raise TransformError(f"the implementation for {rule} returns {type_str(b)} as output {index}, where "
-                                 f"the module returns {type_str(a)}; shapes, dtypes and strides must match")
+        if isinstance(a, torch.Tensor):
+            check_layout(str(rule), index, a, b, "the module returns")
 
 
-def _name(impl: Callable[..., Any]) -> str:
-    return getattr(impl, "__qualname__", getattr(impl, "__name__", type(impl).__name__))
+def _rules_text(rules: Mapping[Rule, Callable[..., Any]]) -> str:
+    """`T.Region('attn') -> flash_decode, ...`: each rule and the implementation it puts in place."""
+    return ", ".join(f"{rule} -> {getattr(impl, '__qualname__', type(impl).__name__)}" for rule, impl in rules.items())
