@@ -25,7 +25,7 @@ __all__ = [
     "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "inductor_compiler", "make_fx",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
-    "data_ptrs_equal", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
+    "data_ptrs_equal", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "outside_current_trace",
 ]
 
@@ -235,6 +235,13 @@ def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # --- CUDA graphs -----------------------------------------------------------------------------------------
+
+
+def marked_static_address(tensor: torch.Tensor) -> bool:
+    """Whether `torch._dynamo.mark_static_address(tensor)` was called: the public call records it only
+    in this attribute (torch 2.3 and later). Without it, marked tensors are copied in like others:
+    correct, only slower."""
+    return getattr(tensor, "_dynamo_static_input_type", None) is not None
 
 
 def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None], indices: Sequence[int]) -> bool:

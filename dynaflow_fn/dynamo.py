@@ -48,23 +48,25 @@ class CompileBackend:
         if self.transforms is not None:
             fn = self.transforms(fn)
         options = dict(self.jit_options)
+        passed = _passed_by_the_caller(graph_module)
         if self.in_axes == "arguments":
-            options["in_axes"] = _argument_axes(graph_module)
+            options["in_axes"] = tuple(0 if p else None for p in passed) if any(passed) else None
+        options.setdefault("persistent_argnums", tuple(i for i, p in enumerate(passed) if p is False))
         jitted = jit(fn, backend=self.backend, strategy=self.strategy, **options)
         self.graphs.append(jitted)
         return jitted
 
 
-def _argument_axes(graph_module: fx.GraphModule) -> tuple | None:
-    """Axis 0 for every input that the compiled function received as an argument, None for what Dynamo
-    lifted into inputs from elsewhere (parameters, buffers, globals), read from Dynamo's record of
-    where each input came from. None if no argument is a tensor: nothing to micro-batch."""
-    axes = []
+def _passed_by_the_caller(graph_module: fx.GraphModule) -> list[bool | None]:
+    """Per input of a Dynamo graph, from Dynamo's record of where it came from: True if the compiled
+    function received it as an argument, False if Dynamo lifted it from elsewhere (parameters, buffers,
+    globals: the model's state, which df.jit then reads in place), None where no record says."""
+    passed = []
     for node in graph_module.graph.nodes:
         if node.op == "placeholder":
             source = getattr(node.meta.get("grapharg"), "source", None)
-            axes.append(0 if getattr(source, "is_input", False) is True else None)
-    return tuple(axes) if 0 in axes else None
+            passed.append(None if source is None else getattr(source, "is_input", False) is True)
+    return passed
 
 
 def _check_inputs(example_inputs: Sequence[Any]) -> None:

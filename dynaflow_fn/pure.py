@@ -8,6 +8,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .jitting.state import register_module_state
+
 Params = dict[str, torch.Tensor]
 
 
@@ -19,6 +21,9 @@ def pure(module: nn.Module) -> tuple[Callable[..., Any], Params]:
     tensors swapped in through `torch.func.functional_call`. Tied weights appear once in `params`
     (under the first name) and stay tied: every use reads the one tensor you pass.
 
+    These tensors are the module's state: `df.jit`'s CUDA graphs read them (buffers too: KV caches,
+    running statistics) at their own address instead of copying them in before every call.
+
     >>> fn, params = df.pure(model)
     >>> y = fn(params, x)            # same as model(x)
     """
@@ -26,6 +31,7 @@ def pure(module: nn.Module) -> tuple[Callable[..., Any], Params]:
         raise TypeError(f"df.pure takes an nn.Module, got {type(module).__qualname__}")
     params: Params = dict(module.named_parameters(remove_duplicate=True))
     params.update(module.named_buffers(remove_duplicate=True))
+    register_module_state(params.values())
 
     forward = module.forward
 

@@ -25,7 +25,7 @@ def test_graph_replay_equals_eager_and_the_interpreter(model_name):
         model = model.cuda()
         fn, params = df.pure(model)
         make = lambda: torch.randn(shape, device="cuda")
-    graphed, interpreted = df.jit(fn), df.jit(fn, backend="eager")
+    graphed, interpreted = df.jit(fn, backend="cudagraph"), df.jit(fn, backend="eager")
     for _ in range(3):
         x = make()
         y = graphed(params, x)
@@ -140,7 +140,9 @@ def test_a_persistent_tensor_given_a_new_layout_or_new_memory_is_noticed():
 
 
 def _microbatched(fn, rules, strategy):
-    return df.jit(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=rules), strategy=strategy))
+    """Aten kernels: the comparison is of schedules, and every plan runs the kernels eager PyTorch does."""
+    return df.jit(T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=rules), strategy=strategy),
+                  backend="cudagraph")
 
 
 @pytest.mark.parametrize("strategy", ["roundrobin", "tbo"])
@@ -169,8 +171,8 @@ def test_branches_graph_equals_sequential_bit_for_bit():
     model = TwoBranch().cuda()
     fn, params = df.pure(model)
     rules = [T.Module("^left$"), T.Module("^right$")]
-    sequential = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="sequential"))
-    branches = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="branches"))
+    sequential = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="sequential"), backend="cudagraph")
+    branches = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="branches"), backend="cudagraph")
     interpreted = df.jit(T.overlap(T.partition(fn, rules=rules), strategy="branches"), backend="eager")
     for _ in range(3):
         x, y = torch.randn(64, 32, device="cuda"), torch.randn(64, 32, device="cuda")
@@ -202,7 +204,8 @@ def test_moving_an_input_to_another_device_traces_again():
     assert fast.cache_info().misses == 2 and fast.cache_info().captures == 1
 
 
-def test_train_step_graph_updates_parameters_in_place():
+@pytest.mark.parametrize("backend", ["cudagraph", "auto"])
+def test_train_step_graph_updates_parameters_in_place(backend):
     model = MLP().cuda()
     fn, params = df.pure(model)
     params = {k: v.detach().clone() for k, v in params.items()}
@@ -215,18 +218,18 @@ def test_train_step_graph_updates_parameters_in_place():
         params, state = optimizer.update(grads, state, params)
         return params, state, loss
 
-    step = df.jit(train_step, donate_argnums=(0, 1))
+    step = df.jit(train_step, donate_argnums=(0, 1), backend=backend, progress=False)
     addresses = {k: v.data_ptr() for k, v in params.items()}
     for i in range(4):
         x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 16, device="cuda")
         _, _, loss = step(params, state, x, y)
         reference_params, reference_state, reference_loss = train_step(reference_params, reference_state, x, y)
-        torch.testing.assert_close(loss, reference_loss)
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-4, atol=1e-5)
         if i == 1:
             torch.cuda.synchronize()
             memory = torch.cuda.memory_allocated()
     for k in params:
-        torch.testing.assert_close(params[k], reference_params[k])
+        torch.testing.assert_close(params[k], reference_params[k], rtol=1e-4, atol=1e-5)
         assert params[k].data_ptr() == addresses[k]
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == memory
@@ -236,10 +239,11 @@ def test_train_step_graph_updates_parameters_in_place():
 
 @pytest.mark.parametrize("strategy", [None, "roundrobin", "tbo"])
 def test_inductor_stages_in_one_multi_stream_graph_equal_eager(strategy):
+    """Inductor's kernels are the default on a CUDA device Triton serves."""
     model = tiny_llama().cuda()
     fn, params = llama_logits(model)
     step = fn if strategy is None else T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), strategy)
-    fast = df.jit(step, backend="inductor", progress=False)
+    fast = df.jit(step, progress=False)
     for _ in range(3):
         ids = torch.randint(0, 128, (4, 12), device="cuda")
         torch.testing.assert_close(fast(params, ids), fn(params, ids), rtol=1e-3, atol=1e-3)

@@ -93,7 +93,7 @@ def test_graphs_of_every_kind_interleaved_with_other_graph_users():
     eager_params = {k: v.clone() for k, v in train_params.items()}
     eager_state = opt.init(eager_params)
     jitted = {
-        "aten": df.jit(decode_fn),
+        "aten": df.jit(decode_fn, backend="cudagraph"),
         "inductor": df.jit(decode_fn, backend="inductor", progress=False),
         "branches": df.jit(T.overlap(branches_fn, strategy="branches")),
         "roundrobin": df.jit(T.overlap(T.microbatch(mlp_fn, num=2, in_axes=(None, 0)), "roundrobin")),

@@ -97,3 +97,73 @@ def test_backward_through_graph_outputs_is_a_named_error():
     assert y.requires_grad
     with pytest.raises(RuntimeError, match=r"df\.jit"):
         y.sum().backward()
+
+
+class _Cached(nn.Module):
+    """A model whose state is mostly a buffer (a cache of 64 MiB), read every call and written by it."""
+
+    def __init__(self, rows: int = 1 << 22):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.register_buffer("cache", torch.randn(rows, 4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x * self.scale + self.cache[: x.shape[0]] * self.calls
+
+
+def _first_call_allocates_mib(call) -> float:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.memory_allocated() - before) / 2**20
+
+
+@pytest.mark.parametrize("backend", ["cudagraph", "auto"])
+def test_module_buffers_are_read_and_written_in_place_like_parameters(backend):
+    model, reference = _Cached().cuda(), _Cached().cuda()
+    reference.load_state_dict(model.state_dict())
+    fn, params = df.pure(model)
+    fast = df.jit(fn, backend=backend, progress=False)
+    x = torch.randn(8, 4, device="cuda")
+    assert _first_call_allocates_mib(lambda: fast(params, x)) < 16        # no 64 MiB static copy of the cache
+    reference(x)
+    for _ in range(3):
+        model.cache[:8].add_(1.0)                       # updated between calls: the graph sees it
+        reference.cache[:8].add_(1.0)
+        x = torch.randn(8, 4, device="cuda")
+        torch.testing.assert_close(fast(params, x), reference(x))
+    assert model.calls.item() == reference.calls.item() == 4      # the graph's writes land in the module
+    assert fast.cache_info().captures == 1
+
+
+def test_a_replaced_buffer_is_read_anew():
+    model = _Cached(rows=64).cuda()
+    fn, params = df.pure(model)
+    fast = df.jit(fn, backend="cudagraph")
+    x = torch.randn(8, 4, device="cuda")
+    fast(params, x)
+    params = {**params, "cache": torch.randn(64, 4, device="cuda")}      # a new tensor: copied in, still right
+    expected = x * params["scale"] + params["cache"][:8] * (model.calls + 1)
+    torch.testing.assert_close(fast(params, x), expected)
+    model.cache = torch.randn(64, 4, device="cuda")                     # replaced in the module, handed out again
+    fn, params = df.pure(model)
+    expected = x * params["scale"] + params["cache"][:8] * (model.calls + 1)
+    torch.testing.assert_close(fast(params, x), expected)
+    assert model.calls.item() == 3
+
+
+def test_tensors_marked_static_for_torch_compile_are_read_in_place():
+    cache = torch.randn(1 << 22, 4, device="cuda")
+    torch._dynamo.mark_static_address(cache)
+
+    def read(cache, x):
+        return x + cache[: x.shape[0]]
+
+    fast = df.jit(read, backend="cudagraph")
+    x = torch.randn(8, 4, device="cuda")
+    assert _first_call_allocates_mib(lambda: fast(cache, x)) < 16
+    cache[:8].mul_(2)
+    torch.testing.assert_close(fast(cache, x), read(cache, x))

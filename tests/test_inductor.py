@@ -156,6 +156,22 @@ def test_compile_backend_follows_python_branches_on_a_flag(backend):
     assert [g.cache_info().misses for g in compile_backend.graphs] == [1, 1]
 
 
+def test_compile_backend_reads_the_models_state_in_place_and_copies_the_arguments():
+    model = FlagModel().eval()
+    model.register_buffer("offset", torch.randn(16))
+    model.forward = lambda x, gated: FlagModel.forward(model, x, gated) + model.offset
+    compile_backend = df.compile_backend(progress=False)
+    compiled = torch.compile(model, backend=compile_backend, dynamic=False)
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(compiled(x, True), model(x, True), rtol=1e-4, atol=1e-5)
+    (jitted,) = compile_backend.graphs
+    inputs = [n.name for n in jitted.fn.__self__.graph.nodes if n.op == "placeholder"]
+    persistent = [inputs[i] for i in jitted.persistent_argnums]
+    assert len(inputs) == 6 and len(persistent) == 5                    # 4 parameters and the buffer, not x
+    assert all("parameters" in name or "buffers" in name for name in persistent)
+
+
 def test_compile_backend_auto_micro_batches_the_arguments_and_shares_the_parameters(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNAFLOW_CACHE_DIR", str(tmp_path))        # measure, do not recall an earlier choice
     model = FlagModel().eval()

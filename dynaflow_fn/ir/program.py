@@ -166,6 +166,12 @@ class Program:
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the program runs: the device of its first tensor input (the CPU if it has none)."""
+        return next((n.meta["val"].device for n in self.placeholders() if isinstance(n.meta.get("val"), torch.Tensor)),
+                    torch.device("cpu"))
+
     def captured_placeholders(self) -> list[fx.Node]:
         """The placeholders bound to the `captured` tensors, which come after the arguments'."""
         placeholders = self.placeholders()

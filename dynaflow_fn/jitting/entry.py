@@ -8,6 +8,7 @@ it. `replay` serves a call that this guard admitted, the per-call fast path: not
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 from typing import Any, Callable, Sequence
@@ -20,8 +21,10 @@ from ..ir.tree import TensorSpec
 from ..plan.plan import Plan
 from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
+from .cold_start import ColdStart
 from .guard import Guard, check_no_aliasing, picker
 from .inputs import TensorInputs
+from .state import is_state
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -33,7 +36,8 @@ class Entry:
     the function closes over, which are read in place like the donated and persistent arguments."""
 
     def __init__(self, plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]], inputs: TensorInputs,
-                 backend: str, static_outputs: bool, on_capture: Callable[[], None], fn_name: str):
+                 backend: str, static_outputs: bool, on_capture: Callable[[], None], fn_name: str,
+                 cold_start: ColdStart | None = None):
         self.plan = plan
         self.module_modes = tuple(module_modes)
         self.tensor_positions = inputs.positions
@@ -54,6 +58,7 @@ class Entry:
         self.backend = backend
         self.static_outputs = static_outputs
         self.on_capture = on_capture
+        self.cold_start = cold_start                   # timed until the first executable is built
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
         self._building = threading.Lock()              # threads arriving at once capture once
@@ -79,9 +84,10 @@ class Entry:
         """A call of this entry on the given arguments that leaves them unchanged: inputs the plan writes
         (donated, mutated) are replaced by copies, so timing it many times has no effect outside."""
         tensors = self.inputs_of(leaves)
+        read_in_place = self.reads_in_place(tensors)
         for i in self.written:
             tensors[i] = tensors[i].clone()
-        return lambda: self.run(tensors, rebuild_if_moved=True)
+        return lambda: self.run(tensors, rebuild_if_moved=True, read_in_place=read_in_place)
 
     def inputs_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
         """The executable's inputs: the argument tensors, then the closed-over ones."""
@@ -90,24 +96,31 @@ class Entry:
             tensors += self.captured
         return tensors
 
-    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool) -> Any:
-        """Run the executable (built on first use) on its inputs and return the call's outputs."""
+    def reads_in_place(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per input, whether a CUDA graph reads it at its own address: the state (`state.is_state`),
+        donated, persistent and closed-over tensors on the plan's device."""
+        return [(i in self.in_place or is_state(t)) and t.device == self.plan.device for i, t in enumerate(tensors)]
+
+    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool,
+            read_in_place: Sequence[bool] | None = None) -> Any:
+        """Run the executable (built on first use) on its inputs and return the call's outputs.
+        `read_in_place` overrides `reads_in_place(tensors)` for stand-ins of the caller's tensors."""
         if self.written:
             check_no_aliasing(tensors, self.written, self.names)
-        executable = self.executable or self._build(tensors, None)
+        executable = self.executable or self._build(tensors, None, read_in_place)
         try:
             outputs = executable(tensors)
         except InPlaceInputMoved:
             if not rebuild_if_moved:
                 raise
-            outputs = self._build(tensors, executable)(tensors)
+            outputs = self._build(tensors, executable, read_in_place)(tensors)
         if torch.is_grad_enabled() and self.differentiable and any(map(_REQUIRES_GRAD, tensors)):
             outputs = self._without_backward(outputs)
         return outputs[0] if self.only_output else self.plan.unflatten_outputs(outputs)
 
     # --- building ---------------------------------------------------------------------------------
 
-    def _build(self, tensors: Sequence[torch.Tensor], replacing: Any) -> Any:
+    def _build(self, tensors: Sequence[torch.Tensor], replacing: Any, read_in_place: Sequence[bool] | None) -> Any:
         """The executable, built for these tensors unless another thread built it meanwhile; `replacing`
         is the executable found unfit for them (its inputs read in place moved), or None."""
         with self._building:
@@ -116,14 +129,20 @@ class Entry:
             if replacing is None and distributed.collective_signature(self.plan):
                 distributed.check_consistent(self.plan)
             if self.backend == "cudagraph":
-                read_in_place = [(isinstance(t, torch.nn.Parameter) or i in self.in_place)
-                                 and t.device == self.plan.device for i, t in enumerate(tensors)]
-                self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors, read_in_place,
-                                                      self.static_outputs)
+                with self._cold_start_phase("capture"):
+                    self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors,
+                                                          read_in_place or self.reads_in_place(tensors),
+                                                          self.static_outputs)
                 self.on_capture()
             else:
                 self.executable = EagerExecutable(self.plan, self.plan.device)
+            if self.cold_start is not None:
+                self.cold_start.finish()
+                self.cold_start = None
             return self.executable
+
+    def _cold_start_phase(self, label: str) -> Any:
+        return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()
 
     def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
         """A guard for calls like this one: the executable's versioned inputs are known by identity and

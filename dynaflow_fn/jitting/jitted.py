@@ -27,6 +27,7 @@ from ..errors import InPlaceInputMoved, InputError
 from ..ir.program import Program
 from ..plan.plan import Plan
 from . import autotune, pipeline
+from .cold_start import ColdStart
 from .donation import match_donations
 from .entry import Entry
 from .guard import call_state, modes_unchanged, signature
@@ -61,6 +62,7 @@ class Jitted:
         if in_axes is not None and strategy != "auto":
             raise ValueError("in_axes tells strategy='auto' how to micro-batch; pass strategy='auto' with it")
         self.fn = fn
+        self.name = getattr(fn, "__name__", "fn")
         self.strategy, self.in_axes, self.progress = strategy, in_axes, progress
         self.choices: dict[str, tuple[str, dict[str, float]]] = {}
         self.backend = backend
@@ -108,7 +110,7 @@ class Jitted:
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms) that a call with these arguments runs."""
-        return pipeline.transformed(self.fn, args, kwargs, pipeline.rewrites())
+        return pipeline.traced(self.fn, args, kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
         """The Plan that a call with these arguments runs (built, not run, if not cached yet; with
@@ -155,13 +157,20 @@ class Jitted:
             self._cache[key] = live
         return next((entry for entry in live if modes_unchanged(entry.module_modes)), None)
 
-    def _entry(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Entry:
-        """Trace, transform and lower `fn` for these arguments (see `pipeline`)."""
+    def _entry(self, fn: Callable[..., Any], args: tuple, kwargs: dict, cold_start: ColdStart | None = None
+               ) -> Entry:
+        """Trace, compile and lower `fn` for these arguments (see `pipeline`), timing each phase."""
+        cold_start = cold_start or ColdStart(self.name, show=False)
         inputs = TensorInputs.of(self.fn, args, kwargs, self.donate_argnums, self.persistent_argnums)
-        program = pipeline.transformed(fn, args, kwargs, pipeline.passes(self.backend, self.progress))
-        plan = pipeline.lowered(program, match_donations(program, inputs))
+        with cold_start.phase("trace"):
+            program = pipeline.traced(fn, args, kwargs)
+        kernels = pipeline.kernels(self.backend, program.device)
+        with cold_start.phase(kernels):
+            program = pipeline.compiled(program, kernels, self.progress)
+        with cold_start.phase("lower"):
+            plan = pipeline.lowered(program, match_donations(program, inputs))
         return Entry(plan, program.module_modes, inputs, self.resolve_backend(plan.device), self.static_outputs,
-                     self._count_capture, getattr(self.fn, "__name__", "fn"))
+                     self._count_capture, self.name, cold_start)
 
     def _count_capture(self) -> None:
         self.captures += 1
@@ -170,7 +179,7 @@ class Jitted:
         if self.strategy == "auto" and key is not None:
             entry = self._autotune(args, kwargs, key)
         else:
-            entry = self._entry(self.fn, args, kwargs)
+            entry = self._entry(self.fn, args, kwargs, ColdStart(self.name, self.progress))
         self.misses += 1
         if key is not None:
             entries = self.cache_info().entries
@@ -182,7 +191,8 @@ class Jitted:
     def _autotune(self, args: tuple, kwargs: dict, key: Any) -> Entry:
         """This signature's entry for the strategy `autotune` picks: stored on disk, or timed now."""
         described = repr(key)
-        choice, timings, entry = autotune.tune(self.fn, self.in_axes, args, kwargs, described,
+        measured_for = f"backend={self.backend!r} {described}"     # a choice made with other kernels may differ
+        choice, timings, entry = autotune.tune(self.fn, self.in_axes, args, kwargs, measured_for,
                                                lambda candidate: self._entry(candidate, args, kwargs), self.progress)
         self.choices[described] = (choice, timings)
         return entry
@@ -199,14 +209,18 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
         in_axes: Any = None, progress: bool = True) -> Any:
     """Compile `fn` into a static Plan per input signature and run it with a backend.
 
-    backend: "auto" (a CUDA graph on CUDA, the eager interpreter elsewhere), "cudagraph", "eager", or
-        "inductor": every stage compiled by TorchInductor, then run like "auto" (see `inductor`).
+    backend: "auto": on a CUDA device Triton serves, every stage compiled by TorchInductor and the plan
+        replayed as one CUDA graph; aten kernels in a CUDA graph on other CUDA devices; the eager
+        interpreter elsewhere. "cudagraph": aten kernels (eager's own) in one CUDA graph; "inductor":
+        Inductor's kernels on any device (C++ on the CPU); "eager": the interpreter.
     donate_argnums: positional arguments whose tensors the function may overwrite: each output with the
         shape, strides and dtype of a donated tensor is written into it in place and returned as it.
-    persistent_argnums: positional arguments that persist across calls (parameter dicts with buffers,
-        KV caches): the CUDA graph reads them at their own address instead of copying them in. Pass the
-        same tensors every call; a different tensor there captures the graph again. `nn.Parameter`s
-        and donated arguments are always read in place. Such tensors are recognized per call by
+    persistent_argnums: positional arguments that persist across calls (KV caches passed as plain
+        tensors): the CUDA graph reads them at their own address instead of copying them in. Pass the
+        same tensors every call; a different tensor there captures the graph again. A model's state
+        needs no naming: `nn.Parameter`s, every tensor `df.pure` hands out (buffers included), tensors
+        marked with `torch._dynamo.mark_static_address`, donated arguments and closed-over tensors are
+        always read in place (see `state`). Such tensors are recognized per call by
         identity, version counter and address, not by re-reading their layout, so assigning
         `t.data = v` with `v` a view of t's own memory in another layout goes unnoticed: pass `v`.
     static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph backend):

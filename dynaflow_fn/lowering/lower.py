@@ -16,7 +16,7 @@ from ..ir.program import Program
 from ..plan.plan import Plan
 from .bind import bind
 from .donation import checked_donation
-from .draft import PlanDraft, flat_values
+from .draft import PlanDraft
 from .elide_copies import elide_copies
 from .issue_order import issue_order
 from .kernels import kernels
@@ -60,11 +60,9 @@ def provenance_line() -> str:
 
 def _finished_plan(draft: PlanDraft) -> Plan:
     program = draft.program
-    device = next((v.device for n in program.placeholders() for v in flat_values(n)
-                   if isinstance(v, torch.Tensor)), torch.device("cpu"))
     return Plan(
         name=program.name,
-        device=device,
+        device=program.device,
         streams=program.streams,
         storages=draft.placed_storages,
         slots=tuple(draft.slots),
