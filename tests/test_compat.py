@@ -187,3 +187,9 @@ def test_importing_inductor_raises_no_warning_about_torchs_own_torchscript_class
         warnings.simplefilter("always")
         warnings.warn("`torch.jit.script_method` is deprecated", DeprecationWarning)
     assert len(caught) == 1
+
+
+def test_marked_static_address_reads_torch_compiles_mark():
+    marked, unmarked = torch.zeros(2), torch.zeros(2)
+    torch._dynamo.mark_static_address(marked)
+    assert compat.marked_static_address(marked) and not compat.marked_static_address(unmarked)

@@ -107,12 +107,20 @@ class ScopeRecorder:
             post.remove()
 
 
-_state = threading.local()
+class _TraceState(threading.local):
+    """Per thread, the recorder of the trace running there. The class-level default means the
+    attribute always exists: torch.compile guards on what `df.region` reads, and an attribute that
+    appears with the first trace would recompile every graph compiled before it."""
+
+    recorder: ScopeRecorder | None = None
+
+
+_state = _TraceState()
 
 
 def active_recorder() -> ScopeRecorder | None:
     """The recorder of the trace running on this thread, if any."""
-    return getattr(_state, "recorder", None)
+    return _state.recorder
 
 
 @contextlib.contextmanager
