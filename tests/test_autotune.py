@@ -132,3 +132,23 @@ def test_strategy_must_be_none_or_auto():
         df.jit(lambda x: x, strategy="tbo")
     with pytest.raises(ValueError, match="in_axes tells strategy='auto'"):
         df.jit(lambda x: x, in_axes=0)
+
+
+def _two_attentions(q, k, v, q2, k2, v2):
+    with df.region("prefill"):
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+    with df.region("decode"):
+        b = torch.softmax(q2 @ k2.transpose(-1, -2), -1) @ v2
+    return a, b
+
+
+def test_the_branches_candidate_puts_independent_regions_on_streams_of_their_own(monkeypatch):
+    monkeypatch.setattr(autotune, "measure", _fixed_timings({"none": 10.0, "branches": 5.0}))
+    fast = df.jit(_two_attentions, strategy="auto", progress=False)
+    args = [torch.randn(2, 8, 4) for _ in range(6)]
+    outputs = fast(*args)
+    for got, expected in zip(outputs, _two_attentions(*args)):
+        torch.testing.assert_close(got, expected)
+    (choice, _), = fast.choices.values()
+    assert choice == "branches" and len(df.verify(fast.lower(*args)).streams) == 2
+    assert autotune.region_names(_two_attentions, tuple(args), {}) == ["prefill", "decode"]

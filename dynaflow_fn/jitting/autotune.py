@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import transforms as T
+from ..ir.program import info
 from ..tracing.tracer import trace
 from .timing import median_ms
 
@@ -63,7 +64,7 @@ def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signat
     if in_axes is not None:
         check_in_axes(fn, in_axes, args, kwargs)
     nccl = world > 1 and dist.get_backend() == "nccl"
-    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else ())}
+    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else (), region_names(fn, args, kwargs))}
     decision = decision_key(fn, signature, device, world, list(options))
     stored = load_decision(decision)
     if stored in options:
@@ -107,10 +108,15 @@ class _Trials:
         return lambda: median_ms(call, self.device)
 
 
-def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[int] = ()) -> list[Candidate]:
-    """No overlap first, then the strategies worth trying for this function. `comm_ctas` adds 2
-    micro-batches with collectives on a communicator of that many thread blocks (multi-GPU only)."""
-    found = [Candidate(NO_OVERLAP, fn), Candidate("branches", T.overlap(fn, strategy="branches"))]
+def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[int] = (),
+               regions: Sequence[str] = ()) -> list[Candidate]:
+    """No overlap first, then the strategies worth trying for this function. `branches` puts
+    independent stages on streams of their own: the `df.region` blocks named in `regions` where the
+    function has any (prefill beside decode attention), else its compute and communication.
+    `comm_ctas` adds 2 micro-batches with collectives on a communicator of that many thread blocks
+    (multi-GPU only)."""
+    stages = T.partition(fn, rules=[T.Region(name) for name in regions]) if regions else fn
+    found = [Candidate(NO_OVERLAP, fn), Candidate("branches", T.overlap(stages, strategy="branches"))]
     if in_axes is not None:
         for num in (2, 4):
             split = T.microbatch(fn, num=num, in_axes=in_axes)
@@ -119,6 +125,13 @@ def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[
                 found += [Candidate(f"microbatch{num}-{strategy}-ctas{ctas}", T.overlap(split, strategy, comm_ctas=ctas))
                           for ctas in comm_ctas if num == 2]
     return found
+
+
+def region_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+    """The names of the `df.region` blocks `fn` runs, in the order they first appear."""
+    program = trace(fn, *args, **kwargs)
+    return list(dict.fromkeys(scope.name for node in program.ops() for scope in info(node).scopes
+                              if scope.kind == "region"))
 
 
 def cache_path() -> str:
