@@ -76,7 +76,7 @@ def test_new_parameter_tensors_capture_again():
     x = torch.randn(8, 32, device="cuda")
     fast(params, x)
     other = {k: torch.nn.Parameter(torch.randn_like(v)) for k, v in params.items()}
-    torch.testing.assert_close(fast(other, x), fn(other, x))
+    torch.testing.assert_close(fast(other, x), fn(other, x), rtol=1e-4, atol=1e-4)     # Inductor's rounding
     assert fast.cache_info().captures == 2
 
 

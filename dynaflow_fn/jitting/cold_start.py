@@ -5,7 +5,7 @@ on-disk caches hold them from an earlier process), lowers the Program to a Plan 
 CUDA graph. `ColdStart` times each phase, and a progress bar names the phase running once the call
 has taken `SHOW_AFTER_S` (a small function's first call stays silent), ending with the split:
 
-    df.jit(LlamaLike): trace 2.1s, inductor 6.3s, lower 0.4s, capture 0.9s
+    df.jit(LlamaLike), trace 2.1s, inductor 6.3s, lower 0.4s, capture 0.9s
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ class ColdStart:
     def __init__(self, name: str, show: bool):
         self.name = name
         self.seconds: dict[str, float] = {}
+        self._started = time.perf_counter()
         self._bar = tqdm(desc=f"df.jit({name})", delay=SHOW_AFTER_S, disable=not show, leave=True,
-                         bar_format="{desc}: {postfix}")
+                         bar_format="{desc}{postfix}")
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[None]:
         """Time one phase, named on the bar while it runs."""
-        self._bar.set_postfix_str(f"{self._split()}{', ' if self.seconds else ''}{label}...", refresh=True)
+        self._bar.set_postfix_str(f"{self._split()}{', ' if self.seconds else ''}{label}...", refresh=self._late())
         start = time.perf_counter()
         try:
             yield
@@ -42,7 +43,11 @@ class ColdStart:
     def finish(self) -> None:
         """Show the split and close the bar."""
         self._bar.set_postfix_str(self._split(), refresh=False)
-        self._bar.close()
+        self._bar.close()                              # prints the split only if the bar was shown
+
+    def _late(self) -> bool:
+        """Whether the call has run long enough to show the bar (tqdm's own delay covers updates only)."""
+        return time.perf_counter() - self._started >= SHOW_AFTER_S
 
     def _split(self) -> str:
         return ", ".join(f"{label} {seconds:.1f}s" for label, seconds in self.seconds.items())

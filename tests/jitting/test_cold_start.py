@@ -1,0 +1,26 @@
+"""The first call's progress bar: silent when quick, naming each phase and its seconds when slow."""
+
+from dynaflow_fn.jitting import cold_start
+from dynaflow_fn.jitting.cold_start import ColdStart
+
+
+def _first_call(name: str) -> ColdStart:
+    timed = ColdStart(name, show=True)
+    for phase in ("trace", "inductor", "lower", "capture"):
+        with timed.phase(phase):
+            pass
+    timed.finish()
+    return timed
+
+
+def test_a_quick_first_call_prints_nothing(capsys):
+    assert list(_first_call("quick").seconds) == ["trace", "inductor", "lower", "capture"]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_slow_first_call_names_its_phases_and_their_seconds(monkeypatch, capsys):
+    monkeypatch.setattr(cold_start, "SHOW_AFTER_S", 0.0)
+    _first_call("slow")
+    shown = capsys.readouterr().err
+    assert "df.jit(slow), trace 0.0s, inductor 0.0s, lower 0.0s, capture 0.0s" in shown
+    assert "capture..." in shown                                         # named while it ran
