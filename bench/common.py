@@ -1,5 +1,11 @@
 """Shared benchmark plumbing: timing (CUDA events through the library's `samples_ms`), the results file
-format, tables.
+format, tables, and the two peers every single-GPU benchmark shows per case:
+
+  compile-reduce-overhead  `compiled(fn, args)`: torch.compile(fn, mode="reduce-overhead") in its
+                           recommended form (an nn.Module, or persistent tensors marked by `mark_static`)
+  df                       `jitted(fn, args)`: df.jit(fn) with default settings, the same tensors marked
+
+`with_speedup_vs_compile` adds each row's speedup over compile-reduce-overhead.
 
 Every benchmark writes `bench/results/<name>.json` in one format (see DESIGN.md section 5):
 {"name", "device", "num_gpus", "torch", "cuda", "date", "rows": [{"case", "variant", "median_ms",
@@ -9,6 +15,7 @@ Every benchmark writes `bench/results/<name>.json` in one format (see DESIGN.md 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -16,13 +23,18 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import optree
 import torch
 
+import dynaflow_fn as df
+from dynaflow_fn.compat import clear_cublas_workspaces
 from dynaflow_fn.jitting.timing import samples_ms
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ONE_RANK_NOTE = ("One rank: every collective is local, so this checks the multi-GPU code path (NCCL communicators, "
                  "collectives captured in CUDA graphs) and its overheads, not communication overlap.")
+COMPILE = "compile-reduce-overhead"
+DF = "df"
 
 
 def init_distributed() -> torch.device:
@@ -93,7 +105,10 @@ def time_host(fn: Callable[[], Any], repeats: int = 30, inner: int = 1, warmup: 
 def capture_graph(fn: Callable[[], Any], warmup: int = 2) -> tuple[Callable[[], None], Any]:
     """Capture fn() into one CUDA graph after warming up on a side stream: (replay, static output).
 
-    The static output holds real values only after the first replay.
+    The static output holds real values only after the first replay. cuBLAS's workspaces are cleared
+    before the capture, as torch.compile and df.jit do around theirs: a GEMM captured on a stream that
+    ran GEMMs in the warm-up (the side streams of a hand-written multi-stream graph) would otherwise
+    bake in a workspace from the general pool, which the next of their captures frees under this graph.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -103,9 +118,82 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 2) -> tuple[Callable[[], 
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    clear_cublas_workspaces()
     with torch.cuda.graph(graph):
         out = fn()
     return graph.replay, out
+
+
+def mark_static(*trees: Any) -> None:
+    """Mark every tensor in the pytrees with torch._dynamo.mark_static_address: torch.compile's documented
+    declaration of a tensor that persists across calls (weights, KV caches passed as arguments), so that
+    cudagraph trees read it in place instead of copying it per replay. df.jit reads such tensors in place
+    too, so marking once gives both peers the same declaration."""
+    for tensor in optree.tree_leaves(trees):
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_static_address(tensor)
+
+
+def compiled(fn: Callable[..., Any], args: tuple, mode: str | None = "reduce-overhead", static: Sequence[int] = (),
+             backend: Any = "inductor") -> Callable[[], Any]:
+    """torch.compile(fn, mode or backend) on `args`, warmed up, as a call under no_grad; by default the
+    compile-reduce-overhead peer.
+
+    `static`: arguments to `mark_static` first, as bench.substitute asks; the other benchmarks mark their
+    persistent tensors before building any variant, so that the df rows see the same marks whatever the
+    order. Three calls: the first compiles, the next two let cudagraph trees warm up and record.
+    """
+    mark_static([args[index] for index in static])
+    function = torch.compile(fn, mode=mode, backend=backend, dynamic=False)
+
+    def call() -> Any:
+        with torch.no_grad():
+            return function(*args)
+
+    for _ in range(3):
+        call()
+    return call
+
+
+def jitted(fn: Callable[..., Any], args: tuple, persistent: Sequence[int] = (), **options: Any) -> Callable[[], Any]:
+    """df.jit(fn, **options) on `args`, built by its first call, as a call; with no options, the df peer.
+
+    `persistent`: arguments declared persistent (persistent_argnums), as bench.substitute asks; tensors
+    marked by `mark_static`, and the parameters and buffers of df.pure's state, are read in place without.
+    """
+    fast = df.jit(fn, persistent_argnums=tuple(persistent), **options)
+    fast(*args)
+    return lambda: fast(*args)
+
+
+def output_of(call: Callable[[], Any], static_output: Any) -> Any:
+    """A variant's result, to check: a hand-captured graph's static output (which holds the last replay's
+    results), else what one more call returns, read at once (cudagraph trees overwrite their outputs on
+    the next call)."""
+    return call() if static_output is None else static_output
+
+
+def with_speedup_vs_compile(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add speedup_vs_compile (the compile-reduce-overhead row's median / the row's) to the rows of every
+    case that has that row."""
+    peer = {row["case"]: row["median_ms"] for row in rows if row["variant"] == COMPILE}
+    for row in rows:
+        if row["case"] in peer:
+            row["speedup_vs_compile"] = peer[row["case"]] / row["median_ms"]
+    return rows
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def release() -> None:
+    """Drop the finished case's models, compiled code and cudagraph-tree pools, so the next case compiles
+    afresh (no recompile limit, no automatic dynamic shapes) and has the memory to itself."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def peak_memory_mb(fn: Callable[[], Any]) -> float:

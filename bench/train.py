@@ -1,28 +1,64 @@
-"""Training step of a Llama-like model (8 layers, hidden 2048, bf16): eager PyTorch against df.jit.
+"""Training step of a Llama-like model (8 layers, hidden 2048, bf16): eager, torch.compile, df.jit.
 
 The model is plain PyTorch (bench/llama_layers.LlamaLike); one more case runs transformers' Llama,
 whose masking code cannot skip the causal mask while traced (it cannot read position ids to rule out
 packed sequences), so its traced attention carries an explicit mask that eager PyTorch avoids.
 
-  eager      model(ids) -> cross-entropy -> backward -> torch.optim.AdamW(fused=True).step()
-  df.jit     one traced program: df.value_and_grad + df.optim.adamw, params and optimizer state
-             donated, replayed as one CUDA graph
+  eager                    model(ids) -> cross-entropy -> backward -> torch.optim.AdamW(fused=True).step();
+                           the baseline of speedup_vs_baseline
+  compile                  the same with torch.compile(model) (default mode): Inductor kernels for the
+                           forward and the backward AOTAutograd derives from it, the fused AdamW eager
+                           (PyTorch's documented training recipe)
+  compile-reduce-overhead  torch.compile(model, mode="reduce-overhead"): those kernels replayed through
+                           cudagraph trees, torch.compiler.cudagraph_mark_step_begin() before each step
+  compile-step             the whole step (forward, loss, backward, AdamW step, zero_grad) in one
+                           torch.compile'd function, compiled autograd capturing the backward and Dynamo
+                           the optimizer step (PyTorch's compiled optimizer: Inductor fuses AdamW's foreach
+                           updates). Dynamo still breaks the graph at backward() and around the optimizer
+                           step (on purpose: torch/optim/optimizer.py), so it runs as three graphs, with
+                           zero_grad eager between steps. Left out, with its error, where it fails to build
+  df                       one traced program: df.value_and_grad + df.optim.adamw, params and optimizer
+                           state donated, under df.jit's default backend (each stage compiled by
+                           Inductor, the whole plan one CUDA graph)
+  df.aten                  the same under backend="cudagraph" (aten kernels in one CUDA graph): what the
+                           Inductor stages add
 
-Cases: a launch-bound batch (1 x 128 tokens) and a large one (8 x 2048 tokens). Prints medians and
-ratios; writes bench/results/train.json.   python -m bench.train
+Cases: a launch-bound batch (1x128 tokens) and a large one (8x2048 tokens; hf-8x2048 with
+transformers' Llama). Every variant has its own model, seeded alike, so the variants start from the
+same weights and take the same steps: loss_after_warmup, the loss of the third step, should agree
+across a case up to rounding. first_call_s is the wall time of a variant's first step (Dynamo and
+Inductor compilation, df's trace and capture) until the GPU is done; ready_s that of its first three
+steps, which also covers the recording of cudagraph trees (second step) and any recompilation once
+the optimizer has state. The compile variants' first_call_s depends on what Inductor's on-disk caches
+hold already (bench/coldstart.py separates cold from warm). peak_mem_mb is the memory allocated
+while a variant is built and takes those steps (weights, gradients, optimizer state, activations,
+graph pools); it is left out for cudagraph trees, whose pool bookkeeping rewrites the allocator's
+counters. speedup_vs_best_compile is the fastest compile variant's median over the row's. Prints
+medians and ratios; writes bench/results/train.json (train-<cases>.json for a subset: the three
+cases compile nine times, which takes minutes).
+    python -m bench.train [--cases 1x128 8x2048 hf-8x2048]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
-from bench.common import peak_memory_mb, print_table, time_variants, write_results
+from bench.common import peak_memory_mb, print_table, release, time_variants, write_results
 
 VOCAB = 32000
+WARMUP_STEPS = 3          # the steps up to ready_s; the third step's loss is loss_after_warmup
+COMPILED = ("compile", "compile-reduce-overhead", "compile-step")
+OPTIONAL = {"compile-step"}                     # a build error leaves the variant out instead of ending the run
+UNCOUNTED_MEMORY = {"compile-reduce-overhead"}  # cudagraph trees: the allocator's counters are rewritten
+CASES = {"1x128": (1, 128, "plain"), "8x2048": (8, 2048, "plain"), "hf-8x2048": (8, 2048, "hf")}  # batch, tokens, model
+COLUMNS = ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_best_compile",
+           "tokens_per_s", "peak_mem_mb", "first_call_s", "ready_s", "loss_after_warmup", "error"]
 
 
 def make_model(device: torch.device, kind: str = "plain"):
@@ -51,13 +87,19 @@ def _logits(out):
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def eager_training(ids: torch.Tensor, kind: str = "plain"):
-    """The baseline: eager model, autograd, torch.optim.AdamW(fused=True). Returns step()."""
+# --- the variants: each returns step(), which takes one training step and returns its loss ----------
+
+def autograd_training(ids: torch.Tensor, kind: str = "plain", mode: str | None = None):
+    """The model stepped by eager autograd and torch.optim.AdamW(fused=True): eager PyTorch, or with
+    `mode`, the model under torch.compile(model, mode=mode) and the rest as before."""
     model = make_model(ids.device, kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    forward = model if mode is None else torch.compile(model, mode=mode, dynamic=False)
+    new_step = torch.compiler.cudagraph_mark_step_begin if mode == "reduce-overhead" else (lambda: None)
 
     def step():
-        loss = cross_entropy(_logits(model(ids, **_call(kind))), ids)
+        new_step()    # cudagraph trees: the last step's outputs are dead, their memory may be overwritten
+        loss = cross_entropy(_logits(forward(ids, **_call(kind))), ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -65,8 +107,26 @@ def eager_training(ids: torch.Tensor, kind: str = "plain"):
     return step
 
 
+def compiled_step_training(ids: torch.Tensor, kind: str = "plain"):
+    """The whole step under one torch.compile: compiled autograd traces the backward when it runs
+    (switched on for this function only: torch.compile reads the flag when it wraps the function),
+    and Dynamo traces AdamW's step, whose foreach updates Inductor fuses (so no fused=True)."""
+    model = make_model(ids.device, kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss = cross_entropy(_logits(model(ids, **_call(kind))), ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        return torch.compile(step, dynamic=False)
+
+
 def df_training(ids: torch.Tensor, kind: str = "plain", backend: str = "auto"):
-    """The same step as one traced program under df.jit, parameters and state donated. Returns step()."""
+    """The same step as one traced program under df.jit, parameters and state donated."""
     model = make_model(ids.device, kind)
     forward, state_dict = df.pure(model)
     names = dict(model.named_parameters())
@@ -87,41 +147,76 @@ def df_training(ids: torch.Tensor, kind: str = "plain", backend: str = "auto"):
     return lambda: fast(params, state, ids)[2]
 
 
+VARIANTS: dict[str, Callable[[torch.Tensor, str], Callable[[], torch.Tensor]]] = {
+    "eager": autograd_training,
+    "compile": lambda ids, kind: autograd_training(ids, kind, mode="default"),
+    "compile-reduce-overhead": lambda ids, kind: autograd_training(ids, kind, mode="reduce-overhead"),
+    "compile-step": compiled_step_training,
+    "df": df_training,
+    "df.aten": lambda ids, kind: df_training(ids, kind, backend="cudagraph"),
+}
+
+
+# --- measuring --------------------------------------------------------------------------------------
+
+def warm_up(make: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]], ids: torch.Tensor, kind: str) -> dict:
+    """Build a variant and take its first WARMUP_STEPS steps, timing them from the first call (what
+    compiling, tracing and capturing cost) to when the GPU is done. Each loss is read before the next
+    step, as cudagraph trees may overwrite it then."""
+    step = make(ids, kind)
+    start, ends, loss = time.perf_counter(), [], None
+    for _ in range(WARMUP_STEPS):
+        loss = float(step().detach())
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter() - start)
+    return {"step": step, "first_call_s": ends[0], "ready_s": ends[-1], "loss_after_warmup": loss}
+
+
 def rows_for(batch: int, tokens: int, device: torch.device, kind: str = "plain") -> list[dict]:
+    """Build every variant in turn (they coexist: the timing below interleaves them), then time them."""
     case = f"{'transformers ' if kind != 'plain' else ''}8 layers x 2048, batch {batch} x {tokens} tokens"
     ids = torch.randint(0, VOCAB, (batch, tokens), device=device)
-    eager_step = eager_training(ids, kind)
-    df_step = df_training(ids, kind)
-    start = time.perf_counter()
-    df_step()
-    torch.cuda.synchronize()
-    build_s = time.perf_counter() - start
-
-    eager_loss, df_loss = eager_step(), df_step()
-    memory = {"eager": peak_memory_mb(eager_step), "df.jit": peak_memory_mb(df_step)}
+    rows, calls = [], {}
+    for name, make in VARIANTS.items():
+        built: dict = {}
+        try:
+            memory = peak_memory_mb(lambda: built.update(warm_up(make, ids, kind)))
+        except Exception as error:
+            if name not in OPTIONAL:
+                raise
+            print(f"{case}: leaving {name} out, it failed to build: {type(error).__name__}: {error}", flush=True)
+            rows.append({"case": case, "variant": name, "error": f"{type(error).__name__}: {error}".splitlines()[0]})
+            continue
+        calls[name] = built.pop("step")
+        rows.append({"case": case, "variant": name, **built,
+                     "peak_mem_mb": None if name in UNCOUNTED_MEMORY else memory})
     inner = 5 if tokens * batch <= 512 else 1
-    timings = time_variants({"eager": eager_step, "df.jit": df_step}, rounds=3, repeats=10, inner=inner)
-    rows = []
-    for name in ("eager", "df.jit"):
-        rows.append({"case": case, "variant": name, **timings[name], "peak_mem_mb": memory[name],
-                     "tokens_per_s": batch * tokens / timings[name]["median_ms"] * 1e3})
-    rows[1]["first_call_s"] = build_s
-    rows[1]["loss_after_warmup"] = float(df_loss)
-    rows[0]["loss_after_warmup"] = float(eager_loss)
+    timings = time_variants(calls, rounds=3, repeats=10, inner=inner)
+    base = timings["eager"]["median_ms"]
+    best_compiled = min(timings[name]["median_ms"] for name in COMPILED if name in timings)
     for row in rows:
-        row["speedup_vs_baseline"] = timings["eager"]["median_ms"] / row["median_ms"]
-    rows[0]["variant"] = "baseline (eager, AdamW fused)"
-    del eager_step, df_step
-    torch.cuda.empty_cache()
+        if row["variant"] in timings:
+            row.update(timings[row["variant"]])
+            row["speedup_vs_baseline"] = base / row["median_ms"]
+            row["speedup_vs_best_compile"] = best_compiled / row["median_ms"]
+            row["tokens_per_s"] = batch * tokens / row["median_ms"] * 1e3
     return rows
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES))
+    options = parser.parse_args()
     device = torch.device("cuda")
-    rows = rows_for(1, 128, device) + rows_for(8, 2048, device) + rows_for(8, 2048, device, kind="hf")
-    print_table(rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "tokens_per_s",
-                       "peak_mem_mb", "first_call_s"], f"training step ({torch.cuda.get_device_name()})")
-    print(f"\nwrote {write_results('train', rows)}")
+    rows = []
+    for case in options.cases:
+        batch, tokens, kind = CASES[case]
+        found = rows_for(batch, tokens, device, kind)
+        release()
+        print_table(found, COLUMNS, f"{case}: training step ({torch.cuda.get_device_name()})")
+        rows += found
+    name = "train" if options.cases == list(CASES) else f"train-{'-'.join(options.cases)}"
+    print(f"\nwrote {write_results(name, rows)}")
 
 
 if __name__ == "__main__":
