@@ -59,3 +59,28 @@ def test_auto_keeps_aten_kernels_on_the_cpu():
     assert pipeline.kernels("auto", torch.device("cpu")) == "aten"
     plan = df.jit(lambda x: torch.relu(x) * 2).lower(torch.randn(4))
     assert not any("inductor" in line for line in plan.provenance)
+
+
+def test_timing_runs_decide_what_is_read_in_place_from_the_callers_tensors(monkeypatch):
+    """strategy="auto" times a plan on copies of the inputs it writes; the graph it builds must still
+    read the caller's state in place, or every later call would copy it."""
+    model = WithCache()
+    fn, params = df.pure(model)
+
+    def step(params, x):
+        params["cache"].mul_(2)                                 # the plan writes the buffer
+        return fn(params, x)
+
+    fast = df.jit(step)
+    x = torch.randn(3, 4)
+    fast(params, x)
+    (entry,) = fast._cache.popitem()[1]
+    leaves = [params[k] for k in sorted(params)] + [x]
+    seen = []
+    monkeypatch.setattr(type(entry), "run", lambda self, tensors, rebuild_if_moved, read_in_place=None:
+                        seen.append((tensors, read_in_place)))
+    entry.benchmark(leaves)()
+    (tensors, read_in_place), = seen
+    cache = sorted(params).index("cache")
+    assert tensors[cache] is not params["cache"]                # timed on a copy...
+    assert read_in_place == entry.reads_in_place(leaves) and read_in_place[cache]     # ...decided on the original
