@@ -73,6 +73,21 @@ def test_correct_schedules_pass():
         dft.assert_equivalent(two_outputs, step, w, x, draws=4)
 
 
+@pytest.mark.cuda
+def test_exact_comparisons_on_cuda_run_eager_pytorchs_kernels():
+    """df.jit's default on CUDA is Inductor's kernels, which round differently from eager PyTorch's: the
+    exact comparison of a schedule must not depend on them."""
+    w, x = (t.cuda() for t in _example())
+    step = T.overlap(T.microbatch(two_outputs, num=2, in_axes=(None, 0)), strategy="roundrobin")
+    dft.assert_equivalent(two_outputs, step, w, x, draws=4)
+
+
+def test_the_default_backend_runs_eager_pytorchs_kernels_where_the_examples_live():
+    from dynaflow_fn.testing.equivalence import aten_kernels_for
+
+    assert aten_kernels_for((torch.randn(2),), {}) == "eager"
+
+
 def test_a_dropped_node_is_caught_and_named():
     w, x = _example()
     wrong = apply_transform(T.microbatch(two_outputs, num=2, in_axes=(None, 0)), DropFirst("tanh"))
