@@ -151,4 +151,6 @@ def test_the_branches_candidate_puts_independent_regions_on_streams_of_their_own
         torch.testing.assert_close(got, expected)
     (choice, _), = fast.choices.values()
     assert choice == "branches" and len(df.verify(fast.lower(*args)).streams) == 2
-    assert autotune.region_names(_two_attentions, tuple(args), {}) == ["prefill", "decode"]
+    assert autotune.region_names(df.trace(_two_attentions, *args)) == ["prefill", "decode"]
+    in_one_microbatch = autotune.check_in_axes(_two_attentions, (0,) * 6, tuple(args), {})
+    assert autotune.region_names(in_one_microbatch) == ["prefill", "decode"]

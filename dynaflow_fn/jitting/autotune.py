@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import transforms as T
-from ..ir.program import info
+from ..ir.program import Program, info
 from ..tracing.tracer import trace
 from .timing import median_ms
 
@@ -61,10 +61,9 @@ def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signat
     no overlap (`measure`); a winner other than no overlap is timed again, alone with no overlap, and
     kept only if it still wins, since the fastest of many noisy timings is biased to look fast."""
     device, world = _placement(args, kwargs)
-    if in_axes is not None:
-        check_in_axes(fn, in_axes, args, kwargs)
+    program = check_in_axes(fn, in_axes, args, kwargs) if in_axes is not None else trace(fn, *args, **kwargs)
     nccl = world > 1 and dist.get_backend() == "nccl"
-    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else (), region_names(fn, args, kwargs))}
+    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else (), region_names(program))}
     decision = decision_key(fn, signature, device, world, list(options))
     stored = load_decision(decision)
     if stored in options:
@@ -127,9 +126,8 @@ def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[
     return found
 
 
-def region_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
-    """The names of the `df.region` blocks `fn` runs, in the order they first appear."""
-    program = trace(fn, *args, **kwargs)
+def region_names(program: Program) -> list[str]:
+    """The names of the `df.region` blocks a traced function ran, in the order they first appear."""
     return list(dict.fromkeys(scope.name for node in program.ops() for scope in info(node).scopes
                               if scope.kind == "region"))
 
@@ -139,13 +137,14 @@ def cache_path() -> str:
     return os.path.join(root, "autotune.json")
 
 
-def check_in_axes(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict) -> None:
-    """Raise the micro-batching error now if `in_axes` cannot split these arguments at all.
+def check_in_axes(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict) -> Program:
+    """Raise the micro-batching error now if `in_axes` cannot split these arguments at all; else the
+    Program of `fn` in one micro-batch, which is `fn`'s own (tuning reads its regions from it).
 
     A candidate that fails to build is skipped, which is right for 4 micro-batches of a batch of 3,
     but an `in_axes` that does not fit the arguments is a mistake the caller must hear about, not a
     silent "no overlap". One micro-batch checks everything but the batch size."""
-    trace(T.microbatch(fn, num=1, in_axes=in_axes), *args, **kwargs)
+    return trace(T.microbatch(fn, num=1, in_axes=in_axes), *args, **kwargs)
 
 
 def decision_key(fn: Callable[..., Any], signature: str, device: torch.device, world: int,
