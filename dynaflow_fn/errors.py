@@ -41,6 +41,11 @@ class VerificationError(DynaflowError):
     """A Plan failed the static happens-before check: some read or buffer reuse is not ordered."""
 
 
+class InternalError(DynaflowError, AssertionError):
+    """An invariant of dynaflow_fn itself broke: a bug in dynaflow_fn, not in the caller's code.
+    The message names the invariant; please report it with the code that raised it."""
+
+
 _LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torch.__file__, optree.__file__))
 _GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
 

@@ -21,8 +21,10 @@ import torch
 from torch import fx
 
 from ..compat import OpOverload
+from ..errors import InternalError
 from ..ir import ops
 from ..ir.analyses import setup_nodes
+from ..ir.formatting import op_name
 from ..ir.program import info
 from ..plan.plan import Layout, Ref, Step, StepKind, StorageKind
 from .draft import PlanDraft, flat_values, new_step, storage_key
@@ -83,6 +85,8 @@ def _computed_step(draft: PlanDraft, node: fx.Node, at_setup: bool, stream: int,
     if fresh and ops.is_view(op):
         _alias_to_base(draft, node, fresh)
         fresh = []
+    if fresh and len(fresh) < len(tensors):
+        raise InternalError(_aliased_result(draft, node, tensors, fresh))
     result_indices = tuple(i for i, _ in tensors) if isinstance(node.meta.get("val"), (list, tuple)) else ()
     if not fresh:
         outputs = tuple(draft.slot_for_value(node, i, v, False) for i, v in tensors)
@@ -102,6 +106,15 @@ def _computed_step(draft: PlanDraft, node: fx.Node, at_setup: bool, stream: int,
                              "out= overload does not fit")
     return new_step(StepKind.ALLOC, stream, op, args, kwargs, outputs, node=node.name, note=note,
                     result_indices=result_indices)
+
+
+def _aliased_result(draft: PlanDraft, node: fx.Node, tensors: list, fresh: list) -> str:
+    """An op that computes new results and also returns memory another value owns would be a step that
+    writes that memory, though other streams may be reading it: a pass built such a node by mistake."""
+    fresh_indices = {i for i, _ in fresh}
+    aliased = [i for i, _ in tensors if i not in fresh_indices]
+    return (f"{node.name} = {op_name(node.target)}(...) computes new tensors but its result {aliased[0]} aliases "
+            f"the memory of an existing value; an allocating step must own every result it returns")
 
 
 def _inplace_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple, kwargs: dict) -> Step:

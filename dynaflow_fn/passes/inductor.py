@@ -106,9 +106,12 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
 
     A run is closed under the paths between its members (anything between two members in issue order
     is a member), so it can be replaced by one call. The `getitem`s of a member's tuple result join
-    its run wherever they are issued. Views and `getitem`s of outside values (a micro-batch's slice of
-    an input) neither join nor break a run: they cost nothing, and keeping them outside lets the
-    micro-batches' runs share one compiled graph.
+    its run wherever they are issued. A view joins the run that is open only when it views one of that
+    run's own values: views of anything else (a micro-batch's slice of an input, a rotary table an
+    earlier stage made) neither join nor break a run. They cost nothing; keeping them outside lets the
+    micro-batches' runs share one compiled graph, and it keeps every result of a run in memory the run
+    itself allocates. A run that returned a view of one of its inputs would be a step that writes
+    memory another step made, and which other streams may be reading.
     """
     setup = setup_nodes(program)
     runs: list[list[fx.Node]] = []
@@ -121,13 +124,14 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
                 runs[run_of[parent]].append(node)
                 run_of[node] = run_of[parent]
             continue
-        if ops.is_view(node.target) and not any(dep in run_of for dep in node.all_input_nodes):
+        node_info = info(node)
+        key = (node_info.stage, node_info.mb, node_info.stream)
+        if ops.is_view(node.target) and not (
+                open_key == key and any(run_of.get(dep) == len(runs) - 1 for dep in node.all_input_nodes)):
             continue
         if not _compilable(node, setup):
             open_key = None
             continue
-        node_info = info(node)
-        key = (node_info.stage, node_info.mb, node_info.stream)
         if open_key != key:
             runs.append([])
             open_key = key
