@@ -42,9 +42,9 @@ def nodes_after(graph: fx.Graph, start: fx.Node | None) -> list[fx.Node]:
 class ScopeRecorder:
     """Tags the nodes of a graph under construction with the scopes that were open when they appeared."""
 
-    def __init__(self, graph: fx.Graph, module_names: dict[int, str]):
+    def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self.module_names = module_names
+        self.module_names: dict[int, str] = {}      # qualified names, from each module called at top level
         self.scopes_of: dict[fx.Node, list[Scope]] = {}
         self._open: list[tuple[Scope, fx.Node | None]] = []
         self._instances = itertools.count()
@@ -91,6 +91,8 @@ class ScopeRecorder:
             if active_recorder() is not self:
                 return
             self._modules.setdefault(id(module), module)
+            if not stack and id(module) not in self.module_names:
+                self.module_names.update(qualified_names(module))
             name = self.module_names.get(id(module), "")
             stack.append(self.open("module", name, type(module)))
 
@@ -105,6 +107,12 @@ class ScopeRecorder:
         finally:
             pre.remove()
             post.remove()
+
+
+def qualified_names(root: torch.nn.Module) -> dict[int, str]:
+    """The qualified name (`model.layers.0.self_attn`) of every module under `root`, by id; a module
+    reachable by several names keeps the first."""
+    return {id(m): n for n, m in reversed(list(root.named_modules(remove_duplicate=False)))}
 
 
 class _TraceState(threading.local):

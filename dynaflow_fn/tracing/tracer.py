@@ -96,12 +96,9 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     fake_mode = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
     fakes = [specs[i].fake(fake_mode) for i in kinds.tensor_positions]
     static_leaves = {i: leaves[i] for i in kinds.static_positions}
-    module = getattr(fn, "__dynaflow_module__", None)
-    module_names = {id(m): n for n, m in reversed(list(module.named_modules(remove_duplicate=False)))} \
-        if module is not None else {}
 
     captured: dict[str, Any] = {}
-    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, module_names, captured)
+    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, captured)
     with _TRACING, torch.no_grad(), quiet_meta_failures(), _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         recorder = captured["recorder"]
@@ -136,8 +133,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
 
 
 def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.PyTreeSpec,
-               tensor_positions: Sequence[int], module_names: dict[int, str],
-               captured: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
+               tensor_positions: Sequence[int], captured: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
     """`body` as a function of the tensor leaves alone, the form make_fx traces. The static leaves
     are put back in place; what only the run can tell (the scope recorder, the training flags read,
     the output pytree) is left in `captured`."""
@@ -147,7 +143,7 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
         for position, tensor in zip(tensor_positions, tensors):
             full[position] = tensor
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
-        recorder = ScopeRecorder(get_proxy_mode().tracer.graph, module_names)
+        recorder = ScopeRecorder(get_proxy_mode().tracer.graph)
         captured["recorder"] = recorder
         with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
             result = body(*call_args, **call_kwargs)
