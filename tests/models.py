@@ -108,3 +108,53 @@ def llama_logits(model):
         return fn(params, input_ids, use_cache=False).logits
 
     return logits, params
+
+
+CAUSAL_LMS = ("gpt2", "llama", "llama-left-padded", "mistral-sliding-window", "gemma2", "qwen2", "mixtral")
+"""The transformers families the strategy tests run: learned and rotary positions, left padding, a
+sliding window, Gemma2's soft-capping and alternating windows, Qwen2's biases, Mixtral's experts."""
+
+
+def tiny_causal_lm(name: str, layers: int = 2):
+    """A tiny random transformers causal LM of family `name` (one of CAUSAL_LMS), in eval mode."""
+    import transformers as hf
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    builders = {
+        "gpt2": lambda: hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=64, n_embd=32, n_layer=layers, n_head=4,
+                                                         n_positions=64, bos_token_id=0, eos_token_id=0)),
+        "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**common)),
+        "llama-left-padded": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**common)),
+        "mistral-sliding-window": lambda: hf.MistralForCausalLM(hf.MistralConfig(**common, sliding_window=4)),
+        "gemma2": lambda: hf.Gemma2ForCausalLM(hf.Gemma2Config(**common, head_dim=8, sliding_window=4)),
+        "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**common)),
+        "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**common, num_local_experts=4,
+                                                                  num_experts_per_tok=2)),
+    }
+    return builders[name]().eval()
+
+
+def causal_lm_inputs(name: str, batch: int, length: int = 10, generator=None):
+    """Token ids and an attention mask for `tiny_causal_lm(name)`; left-padded rows for that family."""
+    import torch
+
+    ids = torch.randint(0, 64, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if name == "llama-left-padded":
+        mask[0, :3] = 0
+        mask[-1, :1] = 0
+    return ids, mask
+
+
+def tag_attention_regions(model, name: str = "attn") -> None:
+    """Wrap every attention module's forward in `df.region(name)`: T.Region rules for a model whose
+    code we cannot edit."""
+    for module_name, module in model.named_modules():
+        if module_name.endswith(("self_attn", ".attn")):
+            forward = module.forward
+
+            def tagged(*args, _forward=forward, **kwargs):
+                with df.region(name):
+                    return _forward(*args, **kwargs)
+            module.forward = tagged
