@@ -171,7 +171,7 @@ def run_case(tokens, context, layers, tp, device, shape, ctas_budgets):
                                          else memory[name] / max(memory["baseline"], 1e-9)),
                      "hidden_fraction": (base - median) / (base - bound) if base > bound else None,
                      "build_s": build_s[name],
-                     "choice": next(iter(auto_choice.values()))[0] if name == "df.auto" and auto_choice else None,
+                     "choice": next(iter(auto_choice.values())).strategy if name == "df.auto" and auto_choice else None,
                      "rel_err": ((out.float() - reference).norm() / reference.norm()).item()})
     return with_speedup_vs_compile(rows)
 

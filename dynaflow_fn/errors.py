@@ -65,6 +65,16 @@ class MetaKernelRejection(RuntimeError):
         self.confirmed = confirmed
 
 
+STRICT_ENV = "DYNAFLOW_STRICT"
+
+
+def strict() -> bool:
+    """Whether a broken invariant that dynaflow_fn could survive (a strategy=auto candidate whose plan
+    fails verification) raises instead of being skipped with a warning: under test suites, set by
+    `dynaflow_fn.testing.pytest_plugin`, or by DYNAFLOW_STRICT=1."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
 def is_library_file(filename: str) -> bool:
     """Whether code in `filename` belongs to dynaflow_fn or a library it runs the user's code through
     (torch, optree, torch.fx's generated code), rather than to the user."""

@@ -8,6 +8,13 @@ and `tbo`), runs each with warm-up and takes medians, and keeps a candidate only
 overlap by a margin, so the result is never slower than no overlap. The decision is stored on disk,
 keyed by device, versions, function and shapes, and reused by later processes. With several ranks,
 rank 0 measures and broadcasts, so every rank builds the same plan (collectives stay in step).
+
+A candidate that does not apply (4 micro-batches of a batch of 3: a TransformError, InputError or
+TraceError) or does not fit in device memory is skipped; one warning per signature names each
+skipped candidate and why, and `fast.choices` records them. A candidate that breaks one of
+dynaflow_fn's own invariants (a plan that fails verification, an invalid schedule, an internal
+error) is a bug: it is skipped with a warning that says so, and under a test suite (the testing
+plugin sets DYNAFLOW_STRICT=1) it raises, so that no test passes by auto quietly choosing no overlap.
 """
 
 from __future__ import annotations
@@ -27,14 +34,35 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import transforms as T
-from ..ir.program import Program, info
+from ..errors import (InputError, InternalError, ScheduleError, TraceError, TransformError, VerificationError,
+                      strict, warn)
+from ..ir import tree
+from ..ir.program import Program, dtype_name, info
 from ..tracing.tracer import trace
+from .state import is_state
 from .timing import median_ms
 
 NO_OVERLAP = "none"
 MARGIN = 0.02
 COMM_CTAS = (8,)
 """Thread-block budgets of the dedicated communicators tried on several NCCL ranks."""
+
+
+DOES_NOT_APPLY = (TransformError, InputError, TraceError, torch.OutOfMemoryError)
+"""A candidate that cannot run for this signature (its split does not fit the batch, its plan does not
+fit in memory): skipped."""
+BUGS = (VerificationError, ScheduleError, InternalError)
+"""A candidate that breaks one of dynaflow_fn's invariants: skipped for users, raised under tests."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `strategy="auto"` decided for one input signature: the candidate kept, the medians it was
+    chosen by (empty when a stored decision was reused) and the candidates skipped, with why."""
+
+    strategy: str
+    median_ms: dict[str, float]
+    skipped: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -53,9 +81,8 @@ Built = TypeVar("Built", bound=Buildable)
 
 
 def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signature: str,
-         build: Callable[[Callable[..., Any]], Built], progress: bool = True) -> tuple[str, dict[str, float], Built]:
-    """Choose the strategy of `fn` for one input signature: (the chosen candidate's name, the timings
-    it was chosen by, or {} when a stored decision was reused, and the candidate built).
+         build: Callable[[Callable[..., Any]], Built], progress: bool = True) -> tuple[Choice, Built]:
+    """Choose the strategy of `fn` for one input signature: the `Choice`, and the candidate built.
 
     `build(candidate_fn)` traces and lowers one candidate. The candidates are timed side by side with
     no overlap (`measure`); a winner other than no overlap is timed again, alone with no overlap, and
@@ -67,18 +94,22 @@ def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signat
     decision = decision_key(fn, signature, device, world, list(options))
     stored = load_decision(decision)
     if stored in options:
-        return stored, {}, build(options[stored])
+        return Choice(stored, {}, {}), build(options[stored])
     trials = _Trials(options, build, optree.tree_leaves((args, kwargs)), device)
-    timings = measure(list(options), trials.timer, progress)
+    skipped: dict[str, str] = {}
+    timings = measure(list(options), trials.timer, progress, skipped=skipped)
     choice = agree(choose(timings))
     if choice != NO_OVERLAP:
         trials.keep(choice)
-        rematch = measure([NO_OVERLAP, choice], trials.timer, progress)
+        rematch = measure([NO_OVERLAP, choice], trials.timer, progress, skipped=skipped)
         choice = agree(choose(rematch))
         timings = {**timings, **{f"{name} (rematch)": ms for name, ms in rematch.items()}}
+    if skipped:
+        warn(f"strategy='auto' skipped {len(skipped)} of {len(options)} candidates for {_call_text(fn, args, kwargs)}: "
+             + "; ".join(f"{name}: {why}" for name, why in skipped.items()))
     if world == 1 or dist.get_rank() == 0:
         store_decision(decision, choice, timings)
-    return choice, timings, trials.built(choice)
+    return Choice(choice, timings, skipped), trials.built(choice)
 
 
 class _Trials:
@@ -197,7 +228,7 @@ def choose(timings: dict[str, float]) -> str:
 
 
 def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], progress: bool = True,
-            rounds: int = 3) -> dict[str, float]:
+            rounds: int = 3, skipped: dict[str, str] | None = None) -> dict[str, float]:
     """Time every candidate side by side with the first (no overlap), holding at most two built.
 
     `build(name)` returns a function that times one round of that candidate. The first candidate stays
@@ -206,20 +237,18 @@ def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], p
     than of all of them. Alternating puts a candidate and its reference under the same clocks and
     temperature, and each candidate's median is rescaled by how far the reference drifted in its
     window from the reference's median over the whole measurement, so candidates timed a minute
-    apart still compare fairly. Candidates that fail to build or run are skipped, with a message.
+    apart still compare fairly. A candidate that does not apply (`DOES_NOT_APPLY`) or breaks an
+    invariant (`BUGS`, outside strict mode) is skipped, and `skipped` records why.
     """
     reference_name, *others = names
+    skipped = {} if skipped is None else skipped
     bar = tqdm(total=len(names) + rounds * max(len(others), 1), desc="df.jit strategy=auto",
                disable=not progress, leave=False)
 
     def attempt(name: str, action: Callable[[], Any]) -> Any:
-        """action(), or None with a message if it fails."""
         bar.set_postfix_str(name)
         try:
-            return action()
-        except Exception as error:
-            bar.write(f"strategy=auto: candidate {name} skipped ({type(error).__name__}: {error})")
-            return None
+            return skipping(name, action, skipped)
         finally:
             bar.update()
 
@@ -252,6 +281,34 @@ def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], p
     overall = statistics.median(everything)
     return {reference_name: overall, **{name: statistics.median(mine) * overall / statistics.median(theirs)
                                         for name, (mine, theirs) in windows.items()}}
+
+
+def skipping(name: str, action: Callable[[], Any], skipped: dict[str, str]) -> Any:
+    """action(), or None with the reason in `skipped` if the candidate `name` is to be skipped."""
+    try:
+        return action()
+    except BUGS as error:
+        if strict():
+            raise
+        skipped[name] = f"{_first_line(error)} (a bug in dynaflow_fn: please report it)"
+    except DOES_NOT_APPLY as error:
+        skipped[name] = _first_line(error)
+    return None
+
+
+def _call_text(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str:
+    """`name(x: f32[3, 32])`: the function and the layouts of its tensor arguments that are not model
+    state (parameters are many and do not change between signatures)."""
+    paths, leaves, _ = tree.flatten((args, kwargs))
+    names = tree.argument_names(fn, len(args))
+    shown = [f"{tree.path_to_str(path, names)}: {dtype_name(leaf.dtype)}{list(leaf.shape)}"
+             for path, leaf in zip(paths, leaves) if isinstance(leaf, torch.Tensor) and not is_state(leaf)]
+    return f"{getattr(fn, '__name__', 'fn')}({', '.join(shown)})"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _placement(args: tuple, kwargs: dict) -> tuple[torch.device, int]:

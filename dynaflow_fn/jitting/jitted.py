@@ -64,7 +64,7 @@ class Jitted:
         self.fn = fn
         self.name = getattr(fn, "__name__", "fn")
         self.strategy, self.in_axes, self.progress = strategy, in_axes, progress
-        self.choices: dict[str, tuple[str, dict[str, float]]] = {}
+        self.choices: dict[str, autotune.Choice] = {}
         self.backend = backend
         self.donate_argnums = argnums(donate_argnums, "donate_argnums")
         self.persistent_argnums = argnums(persistent_argnums, "persistent_argnums")
@@ -192,9 +192,9 @@ class Jitted:
         """This signature's entry for the strategy `autotune` picks: stored on disk, or timed now."""
         described = repr(key)
         measured_for = f"backend={self.backend!r} {described}"     # a choice made with other kernels may differ
-        choice, timings, entry = autotune.tune(self.fn, self.in_axes, args, kwargs, measured_for,
-                                               lambda candidate: self._entry(candidate, args, kwargs), self.progress)
-        self.choices[described] = (choice, timings)
+        choice, entry = autotune.tune(self.fn, self.in_axes, args, kwargs, measured_for,
+                                      lambda candidate: self._entry(candidate, args, kwargs), self.progress)
+        self.choices[described] = choice
         return entry
 
 

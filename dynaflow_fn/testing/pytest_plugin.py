@@ -7,19 +7,25 @@ generator is seeded from the test's id (the `seed` fixture returns that seed, to
 `assert_equivalent(seed=...)` or your own `torch.Generator`). Renaming a test changes its inputs;
 rerunning it does not. For GPU tests it registers the `cuda` marker (`@pytest.mark.cuda` tests are
 skipped, with a reason, where no CUDA device is available) and the `cuda_device` fixture, which
-does the same for the test that asks for it and gives it the device.
+does the same for the test that asks for it and gives it the device. It also turns on strict mode
+(DYNAFLOW_STRICT=1, unless set otherwise): a `strategy="auto"` candidate that breaks one of
+dynaflow_fn's invariants raises instead of being skipped.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
 import torch
 
+from ..errors import STRICT_ENV
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped where there is none)")
+    os.environ.setdefault(STRICT_ENV, "1")       # a broken invariant fails the test instead of being skipped
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
