@@ -82,6 +82,33 @@ def test_exact_comparisons_on_cuda_run_eager_pytorchs_kernels():
     dft.assert_equivalent(two_outputs, step, w, x, draws=4)
 
 
+@pytest.mark.cuda
+def test_fresh_inputs_are_drawn_on_the_examples_device():
+    example = {"w": torch.randn(8, 8, device="cuda") * 3 + 1, "ids": torch.randint(0, 5, (4,), device="cuda")}
+    drawn = dft.draw_like(example, torch.Generator().manual_seed(0))
+    assert all(leaf.is_cuda for leaf in drawn.values())
+    assert 0 <= int(drawn["ids"].min()) and int(drawn["ids"].max()) <= 4
+
+
+@pytest.mark.cuda
+def test_check_scheduler_runs_random_programs_on_cuda_streams():
+    dft.check_scheduler(load_example("custom_scheduler").KindPairing, max_examples=5, device="cuda")
+
+
+@pytest.mark.cuda
+def test_check_substitution_takes_cuda_examples():
+    def fn(x):
+        with df.region("act"):
+            y = torch.nn.functional.gelu(x)
+        return y * 2
+
+    def tanh_gelu(x):
+        return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+
+    x = torch.randn(6, 16, device="cuda")
+    dft.check_substitution(fn, {T.Region("act"): tanh_gelu}, x, in_axes=(0,), tolerances={torch.float32: (1e-3, 1e-3)})
+
+
 def test_the_default_backend_runs_eager_pytorchs_kernels_where_the_examples_live():
     from dynaflow_fn.testing.equivalence import aten_kernels_for
 

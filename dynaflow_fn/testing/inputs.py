@@ -69,7 +69,8 @@ def _fresh_leaf(leaf: Any, generator: torch.Generator, axis: int | None, rows: i
 
 
 def _random(leaf: torch.Tensor, shape: list[int], generator: torch.Generator) -> torch.Tensor:
-    """Random values drawn on the CPU (one generator serves every device), like `leaf` in kind."""
+    """Random values drawn on the CPU (one generator serves every device), like `leaf` in kind; the
+    example's statistics are read as Python numbers, so a leaf on any device serves."""
     if leaf.dtype == torch.bool:
         return torch.rand(shape, generator=generator) < 0.5
     if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
@@ -77,6 +78,6 @@ def _random(leaf: torch.Tensor, shape: list[int], generator: torch.Generator) ->
         if leaf.numel() < 2 or leaf.device.type == "meta":
             return value
         example = leaf.detach().to(torch.float64)
-        return (value * example.std() + example.mean()).to(leaf.dtype)
+        return (value * float(example.std()) + float(example.mean())).to(leaf.dtype)
     low, high = (int(leaf.min()), int(leaf.max())) if leaf.numel() else (0, 1)
     return torch.randint(low, high + 1, shape, generator=generator, dtype=leaf.dtype)

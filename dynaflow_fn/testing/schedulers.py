@@ -18,6 +18,7 @@ from ..transforms.overlapping import overlap
 from ..transforms.partitioning import partition
 from ..transforms.schedule import Scheduler
 from .compare import first_difference
+from .equivalence import aten_kernels_for
 from .programs import EachNode, Recipe, build, example_inputs
 from .requirements import require_hypothesis
 
@@ -25,7 +26,7 @@ SchedulerSource = Union[Scheduler, Callable[[], Scheduler]]
 
 
 def check_scheduler(scheduler: SchedulerSource, max_examples: int = 25, micro_batches: tuple[int, ...] = (1, 2, 3),
-                    seed: int | None = 0, shrink: bool = False) -> None:
+                    seed: int | None = 0, shrink: bool = False, device: "torch.device | str" = "cpu") -> None:
     """Run `scheduler` over random programs (hypothesis `strategies.recipes`, every op its own stage,
     split into each count of `micro_batches`) and check, for every program:
 
@@ -40,7 +41,8 @@ def check_scheduler(scheduler: SchedulerSource, max_examples: int = 25, micro_ba
     A failure is an AssertionError (or the scheduler's own error) that shows the failing program as
     code. `seed` fixes hypothesis's draws (None: new draws each run). With `shrink`, hypothesis first
     reduces a failing program to a minimal one, which plans it hundreds of times more (minutes).
-    Needs hypothesis.
+    `device` is where the programs run: on a CUDA device each plan is one CUDA graph of eager
+    PyTorch's kernels, its streams real CUDA streams. Needs hypothesis.
     """
     hypothesis = require_hypothesis()
     from .strategies import recipes
@@ -54,16 +56,16 @@ def check_scheduler(scheduler: SchedulerSource, max_examples: int = 25, micro_ba
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(recipe=recipes(), num=st.sampled_from(micro_batches), values=st.integers(0, 2**16))
     def run(recipe: Recipe, num: int, values: int) -> None:
-        _check_one(make, recipe, num, values)
+        _check_one(make, recipe, num, values, torch.device(device))
 
     if seed is not None:
         run = hypothesis.seed(seed)(run)
     run()
 
 
-def _check_one(make: Callable[[], Scheduler], recipe: Recipe, num: int, values: int) -> None:
+def _check_one(make: Callable[[], Scheduler], recipe: Recipe, num: int, values: int, device: torch.device) -> None:
     inputs, fn = build(recipe)
-    args = example_inputs(inputs, torch.Generator().manual_seed(values), size=max(8, num))
+    args = [a.to(device) for a in example_inputs(inputs, torch.Generator().manual_seed(values), size=max(8, num))]
     try:
         program = trace(_scheduled(fn, make(), num, inputs), *args)
     except ScheduleError as error:
@@ -77,8 +79,9 @@ def _check_one(make: Callable[[], Scheduler], recipe: Recipe, num: int, values: 
         raise AssertionError(f"{program.provenance[-1]} is not deterministic: planning the same program twice "
                              f"placed {difference}. Every rank of a job must build the same plan: derive every "
                              f"choice from the StageGraph (seed any randomness, iterate sorted){context}")
-    got = jit(_scheduled(fn, make(), num, inputs))(*args)
-    expected = jit(_scheduled(fn, "sequential", num, inputs))(*args)
+    kernels = aten_kernels_for(tuple(args), {})
+    got = jit(_scheduled(fn, make(), num, inputs), backend=kernels)(*args)
+    expected = jit(_scheduled(fn, "sequential", num, inputs), backend=kernels)(*args)
     problem = first_difference(got, expected, exact=True)
     if problem is not None:
         raise AssertionError(f"the scheduled plan differs from the sequential one: {problem}{context}")
