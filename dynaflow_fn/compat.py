@@ -25,7 +25,7 @@ __all__ = [
     "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "inductor_compiler", "make_fx",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
-    "data_ptrs_equal", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
+    "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "outside_current_trace",
 ]
 
@@ -242,6 +242,22 @@ def marked_static_address(tensor: torch.Tensor) -> bool:
     in this attribute (torch 2.3 and later). Without it, marked tensors are copied in like others:
     correct, only slower."""
     return getattr(tensor, "_dynamo_static_input_type", None) is not None
+
+
+def dynamo_input_origin(placeholder: fx.Node) -> bool | None:
+    """For a placeholder of a graph Dynamo captured: True if its value was reached from an argument
+    of the compiled frame (`L['input_ids']`, `L['kwargs']['cache_position']`,
+    `L['self'].model.embed_tokens.weight`), False if from elsewhere (a global, a closure), None where
+    Dynamo kept no record. Dynamo's `grapharg.source` is a chain of sources (attribute, item, ...)
+    down to a `LocalSource`, whose `is_input` says whether the local is a frame argument; decorated
+    forwards (transformers' `(self, *args, **kwargs)` wrappers) pass every argument through such a
+    chain."""
+    source = getattr(placeholder.meta.get("grapharg"), "source", None)
+    while source is not None and hasattr(source, "base"):
+        source = source.base
+    if source is None:
+        return None
+    return getattr(source, "is_input", False) is True
 
 
 def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None], indices: Sequence[int]) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from . import compat
 from .errors import InputError
 from .jitting.jitted import Jitted, jit
 
@@ -58,15 +59,15 @@ class CompileBackend:
 
 
 def _passed_by_the_caller(graph_module: fx.GraphModule) -> list[bool | None]:
-    """Per input of a Dynamo graph, from Dynamo's record of where it came from: True if the compiled
-    function received it as an argument, False if Dynamo lifted it from elsewhere (parameters, buffers,
-    globals: the model's state, which df.jit then reads in place), None where no record says."""
-    passed = []
-    for node in graph_module.graph.nodes:
-        if node.op == "placeholder":
-            source = getattr(node.meta.get("grapharg"), "source", None)
-            passed.append(None if source is None else getattr(source, "is_input", False) is True)
-    return passed
+    """Per input of a Dynamo graph, from Dynamo's record of where it came from: True if it was reached
+    from an argument of the compiled function, False if from elsewhere (globals, closures: read in
+    place, like the state df.jit reads in place anyway), None where no record says.
+
+    Reached from an argument means per call: the token ids, positions and masks of every decoding
+    step are new tensors, so they are copied in. A model's state reached through `self` or an argument
+    is read in place all the same, because it is marked: parameters are, Dynamo marks the other
+    tensors of modules static, and transformers marks its static KV caches."""
+    return [compat.dynamo_input_origin(node) for node in graph_module.graph.nodes if node.op == "placeholder"]
 
 
 def _check_inputs(example_inputs: Sequence[Any]) -> None:

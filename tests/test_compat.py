@@ -193,3 +193,26 @@ def test_marked_static_address_reads_torch_compiles_mark():
     marked, unmarked = torch.zeros(2), torch.zeros(2)
     torch._dynamo.mark_static_address(marked)
     assert compat.marked_static_address(marked) and not compat.marked_static_address(unmarked)
+
+
+_GLOBAL_SCALE = torch.ones(3)
+
+
+def test_dynamo_input_origin_follows_source_chains_to_the_frame_arguments():
+    origins = {}
+
+    def record(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "placeholder":
+                origins[node.name] = compat.dynamo_input_origin(node)
+        return graph_module.forward
+
+    def wrapper(*args, **kwargs):                  # like transformers' decorated forwards
+        return kwargs["x"] * _GLOBAL_SCALE + args[0]
+
+    torch._dynamo.reset()
+    torch.compile(wrapper, backend=record, dynamic=False)(torch.zeros(3), x=torch.ones(3))
+    assert sorted(origins.values()) == [False, True, True]
+    assert [origin for name, origin in origins.items() if "global" in name] == [False], origins
+    placeholder = torch.fx.Graph().placeholder("x")
+    assert compat.dynamo_input_origin(placeholder) is None
