@@ -263,3 +263,17 @@ def test_compile_backend_with_inductor_on_cuda_equals_eager():
             torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
                                        rtol=1e-3, atol=1e-3)
     assert sum(jitted.cache_info().captures for jitted in compile_backend.graphs) >= 1
+
+
+def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move():
+    def scaled(cache, x):
+        return cache * 2 + x
+
+    fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.warns(UserWarning, match=r"cache is read in place .* copied in on every call from now on") as caught:
+        for _ in range(5):
+            cache = torch.randn(4, 8, device="cuda")          # a new tensor where a persistent one was declared
+            torch.testing.assert_close(fast(cache, x), scaled(cache, x))
+    assert fast.cache_info().captures == 3                    # first call, first move, second move; then copied
+    assert len([w for w in caught if "read in place" in str(w.message)]) == 1

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import compat, distributed
-from ..errors import InPlaceInputMoved
+from ..errors import InPlaceInputMoved, warn
 from ..ir.tree import TensorSpec
 from ..plan.plan import Plan
 from ..runtime.cudagraph import CudaGraphExecutable
@@ -51,6 +51,7 @@ class Entry:
         returned_inputs = set(plan.input_slots)
         self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
         self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
+        self.fn_name = fn_name
         self.no_backward = (f"backward through the outputs of df.jit({fn_name}): a compiled plan records no "
                             f"autograd graph. Differentiate inside the jitted function (df.value_and_grad / "
                             f"df.grad return the gradients), or call it under torch.no_grad() when no gradient "
@@ -61,6 +62,8 @@ class Entry:
         self.cold_start = cold_start                   # timed until the first executable is built
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
+        self.moved: set[int] = set()                   # inputs read in place that arrived at a new address
+        self.copied_anyway: set[int] = set()           # ... twice: copied in from then on
         self._building = threading.Lock()              # threads arriving at once capture once
 
     def stale(self) -> bool:
@@ -98,8 +101,25 @@ class Entry:
 
     def reads_in_place(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Per input, whether a CUDA graph reads it at its own address: the state (`state.is_state`),
-        donated, persistent and closed-over tensors on the plan's device."""
-        return [(i in self.in_place or is_state(t)) and t.device == self.plan.device for i, t in enumerate(tensors)]
+        donated, persistent and closed-over tensors on the plan's device, unless it keeps moving."""
+        return [(i in self.in_place or is_state(t)) and t.device == self.plan.device and i not in self.copied_anyway
+                for i, t in enumerate(tensors)]
+
+    def _note_moved(self, tensors: Sequence[torch.Tensor], moved_from: CudaGraphExecutable) -> None:
+        """An input read in place that arrives at a new address forces a new capture. One that does so
+        a second time is a per-call tensor in a resident's position (a new tensor passed where state
+        was expected): capturing on every call would cost far more than copying it, so from then on
+        it is copied in, which computes the same, and a warning says how to keep it in place."""
+        for i in moved_from.in_place:
+            if tensors[i].data_ptr() == moved_from.addresses[i]:
+                continue
+            if i in self.moved and i not in self.copied_anyway:
+                self.copied_anyway.add(i)
+                warn(f"df.jit({self.fn_name}): {self.names[i]} is read in place (model state, donated or "
+                     f"persistent) but arrived at a new address again, which captured the CUDA graph again; it "
+                     f"is copied in on every call from now on. Pass the same tensor each call to read it in "
+                     f"place.")
+            self.moved.add(i)
 
     def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool,
             read_in_place: Sequence[bool] | None = None) -> Any:
@@ -128,6 +148,8 @@ class Entry:
                 return self.executable
             if replacing is None and distributed.collective_signature(self.plan):
                 distributed.check_consistent(self.plan)
+            if isinstance(replacing, CudaGraphExecutable) and read_in_place is None:
+                self._note_moved(tensors, replacing)
             if self.backend == "cudagraph":
                 with self._cold_start_phase("capture"):
                     self.executable = CudaGraphExecutable(self.plan, self.plan.device, tensors,
