@@ -245,19 +245,14 @@ def marked_static_address(tensor: torch.Tensor) -> bool:
 
 
 def dynamo_input_origin(placeholder: fx.Node) -> bool | None:
-    """For a placeholder of a graph Dynamo captured: True if its value was reached from an argument
-    of the compiled frame (`L['input_ids']`, `L['kwargs']['cache_position']`,
-    `L['self'].model.embed_tokens.weight`), False if from elsewhere (a global, a closure), None where
-    Dynamo kept no record. Dynamo's `grapharg.source` is a chain of sources (attribute, item, ...)
-    down to a `LocalSource`, whose `is_input` says whether the local is a frame argument; decorated
-    forwards (transformers' `(self, *args, **kwargs)` wrappers) pass every argument through such a
-    chain."""
+    """For a placeholder of a Dynamo graph: True if its value was reached from an argument of the
+    compiled frame (`L['kwargs']['cache_position']`, `L['self'].lm_head.weight`), False if from
+    elsewhere (a global, a closure), None without a record. Dynamo's `grapharg.source` is a chain of
+    sources down to a `LocalSource`, whose `is_input` says whether it is a frame argument."""
     source = getattr(placeholder.meta.get("grapharg"), "source", None)
     while source is not None and hasattr(source, "base"):
         source = source.base
-    if source is None:
-        return None
-    return getattr(source, "is_input", False) is True
+    return None if source is None else getattr(source, "is_input", False) is True
 
 
 def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None], indices: Sequence[int]) -> bool:

@@ -21,6 +21,7 @@ from torch import fx
 from . import compat
 from .errors import InputError
 from .jitting.jitted import Jitted, jit
+from .jitting.state import is_state
 
 
 class CompileBackend:
@@ -51,7 +52,9 @@ class CompileBackend:
         options = dict(self.jit_options)
         passed = _passed_by_the_caller(graph_module)
         if self.in_axes == "arguments":
-            options["in_axes"] = tuple(0 if p else None for p in passed) if any(passed) else None
+            batched = [p is True and isinstance(x, torch.Tensor) and x.dim() > 0 and not is_state(x)
+                       for p, x in zip(passed, example_inputs)]
+            options["in_axes"] = tuple(0 if b else None for b in batched) if any(batched) else None
         options.setdefault("persistent_argnums", tuple(i for i, p in enumerate(passed) if p is False))
         jitted = jit(fn, backend=self.backend, strategy=self.strategy, **options)
         self.graphs.append(jitted)

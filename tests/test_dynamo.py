@@ -32,7 +32,7 @@ def test_generate_with_a_static_cache_gives_eagers_tokens_and_traces_each_graph_
     real_call = Jitted.__call__
 
     def recording_call(jitted, *args):
-        persistent_inputs.setdefault(id(jitted), []).append([args[i].data_ptr() for i in jitted.persistent_argnums])
+        persistent_inputs.setdefault(id(jitted), []).append([args[i].data_ptr() for i in jitted.options.persistent_argnums])
         return real_call(jitted, *args)
 
     monkeypatch.setattr(Jitted, "__call__", recording_call)

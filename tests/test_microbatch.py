@@ -170,6 +170,21 @@ def test_the_body_is_studied_once_per_input_signature(monkeypatch):
     assert len(traced) == 4
 
 
+def test_the_body_study_keys_static_floats_by_their_bits(monkeypatch):
+    """A NaN static argument is the same signature on every call (`nan != nan` would never hit), and
+    0.0 and -0.0 are two (`0.0 == -0.0`, but they trace to different constants)."""
+    traced = []
+    original = microbatch_body.trace_function
+    monkeypatch.setattr(microbatch_body, "trace_function", lambda *a, **k: traced.append(a[0]) or original(*a, **k))
+    step = T.microbatch(lambda w, x, scale: (x @ w * scale, w * 2), num=2, in_axes=(None, 0, None))
+    w, x = torch.randn(5, 3), torch.randn(4, 5)
+    studies = []
+    for scale in (float("nan"), float("nan"), 0.0, -0.0):
+        step(w, x, scale)
+        studies.append(len(traced))
+    assert studies == [2, 2, 4, 6]        # two studies per distinct value: nan, 0.0, -0.0
+
+
 # --- 3. ops that couple the rows of the batch ----------------------------------------------------------
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
 import keyword
+import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -27,6 +29,60 @@ _STATIC_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype,
 def flatten(tree: Any) -> tuple[list[tuple], list[Any], optree.PyTreeSpec]:
     """Flatten with optree; returns (paths, leaves, treespec). None is structure, not a leaf."""
     return optree.tree_flatten_with_path(tree)
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A call's `(args, kwargs)`, flattened once: the leaves and their structure, with each leaf's
+    path derived from the structure when a message or a name needs it (not on every call)."""
+
+    args: tuple
+    kwargs: dict
+    leaves: list
+    treedef: optree.PyTreeSpec
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> "Flat":
+        leaves, treedef = optree.tree_flatten((args, kwargs))
+        return cls(args, kwargs, leaves, treedef)
+
+    @functools.cached_property
+    def paths(self) -> list[tuple]:
+        return self.treedef.paths()
+
+
+class StaticKey(NamedTuple):
+    """A static leaf's part of a signature: its type and a value equal exactly when tracing would bake
+    in the same constant (see `static_key`)."""
+
+    type: type
+    value: Any
+
+
+def static_key(leaf: Any) -> StaticKey:
+    """A static leaf's part of a cache key: equal exactly when tracing would bake in the same value.
+
+    `==` is not that: `0.0 == -0.0` (but 1 / -0.0 is -inf) and `nan != nan` (a NaN would never hit).
+    Floats are keyed by their bits, complex numbers by their parts, frozen dataclasses field by field
+    (their `==` compares floats the same lossy way), everything else by type and value (so True and 1
+    differ)."""
+    if isinstance(leaf, float):
+        return StaticKey(float, leaf.hex() if not math.isnan(leaf) else "nan")
+    if isinstance(leaf, complex):
+        return StaticKey(complex, (static_key(leaf.real), static_key(leaf.imag)))
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        return StaticKey(type(leaf), tuple(static_key(getattr(leaf, f.name)) for f in dataclasses.fields(leaf)))
+    return StaticKey(type(leaf), leaf)
+
+
+def leaf_key(leaf: Any) -> Any:
+    """A leaf's part of a signature: a tensor's (shape, strides, dtype, device), as a plain tuple (it is
+    built on every call that misses the fast check), or a static leaf's `StaticKey`."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.shape, leaf.stride(), leaf.dtype, leaf.device
+    if isinstance(leaf, TensorSpec):
+        return torch.Size(leaf.shape), leaf.stride, leaf.dtype, leaf.device
+    return static_key(leaf)
 
 
 def argument_names(fn: Callable, num_args: int) -> list[str]:

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
-import optree
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -38,7 +37,8 @@ from ..errors import (InputError, InternalError, ScheduleError, TraceError, Tran
                       strict, warn)
 from ..ir import tree
 from ..ir.program import Program, dtype_name, info
-from ..tracing.tracer import trace
+from ..ir.tree import Flat
+from ..tracing.tracer import trace_flat
 from .state import is_state
 from .timing import median_ms
 
@@ -80,22 +80,22 @@ class Buildable(Protocol):
 Built = TypeVar("Built", bound=Buildable)
 
 
-def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signature: str,
+def tune(fn: Callable[..., Any], in_axes: Any, flat: Flat, signature: str,
          build: Callable[[Callable[..., Any]], Built], progress: bool = True) -> tuple[Choice, Built]:
     """Choose the strategy of `fn` for one input signature: the `Choice`, and the candidate built.
 
     `build(candidate_fn)` traces and lowers one candidate. The candidates are timed side by side with
     no overlap (`measure`); a winner other than no overlap is timed again, alone with no overlap, and
     kept only if it still wins, since the fastest of many noisy timings is biased to look fast."""
-    device, world = _placement(args, kwargs)
-    program = check_in_axes(fn, in_axes, args, kwargs) if in_axes is not None else trace(fn, *args, **kwargs)
+    device, world = _placement(flat)
+    program = check_in_axes(fn, in_axes, flat) if in_axes is not None else trace_flat(fn, flat)
     nccl = world > 1 and dist.get_backend() == "nccl"
     options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else (), region_names(program))}
     decision = decision_key(fn, signature, device, world, list(options))
     stored = load_decision(decision)
     if stored in options:
         return Choice(stored, {}, {}), build(options[stored])
-    trials = _Trials(options, build, optree.tree_leaves((args, kwargs)), device)
+    trials = _Trials(options, build, flat.leaves, device)
     skipped: dict[str, str] = {}
     timings = measure(list(options), trials.timer, progress, skipped=skipped)
     choice = agree(choose(timings))
@@ -105,7 +105,7 @@ def tune(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict, signat
         choice = agree(choose(rematch))
         timings = {**timings, **{f"{name} (rematch)": ms for name, ms in rematch.items()}}
     if skipped:
-        warn(f"strategy='auto' skipped {len(skipped)} of {len(options)} candidates for {_call_text(fn, args, kwargs)}: "
+        warn(f"strategy='auto' skipped {len(skipped)} of {len(options)} candidates for {_call_text(fn, flat)}: "
              + "; ".join(f"{name}: {why}" for name, why in skipped.items()))
     if world == 1 or dist.get_rank() == 0:
         store_decision(decision, choice, timings)
@@ -168,14 +168,14 @@ def cache_path() -> str:
     return os.path.join(root, "autotune.json")
 
 
-def check_in_axes(fn: Callable[..., Any], in_axes: Any, args: tuple, kwargs: dict) -> Program:
+def check_in_axes(fn: Callable[..., Any], in_axes: Any, flat: Flat) -> Program:
     """Raise the micro-batching error now if `in_axes` cannot split these arguments at all; else the
     Program of `fn` in one micro-batch, which is `fn`'s own (tuning reads its regions from it).
 
     A candidate that fails to build is skipped, which is right for 4 micro-batches of a batch of 3,
     but an `in_axes` that does not fit the arguments is a mistake the caller must hear about, not a
     silent "no overlap". One micro-batch checks everything but the batch size."""
-    return trace(T.microbatch(fn, num=1, in_axes=in_axes), *args, **kwargs)
+    return trace_flat(T.microbatch(fn, num=1, in_axes=in_axes), flat)
 
 
 def decision_key(fn: Callable[..., Any], signature: str, device: torch.device, world: int,
@@ -296,13 +296,12 @@ def skipping(name: str, action: Callable[[], Any], skipped: dict[str, str]) -> A
     return None
 
 
-def _call_text(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str:
+def _call_text(fn: Callable[..., Any], flat: Flat) -> str:
     """`name(x: f32[3, 32])`: the function and the layouts of its tensor arguments that are not model
     state (parameters are many and do not change between signatures)."""
-    paths, leaves, _ = tree.flatten((args, kwargs))
-    names = tree.argument_names(fn, len(args))
+    names = tree.argument_names(fn, len(flat.args))
     shown = [f"{tree.path_to_str(path, names)}: {dtype_name(leaf.dtype)}{list(leaf.shape)}"
-             for path, leaf in zip(paths, leaves) if isinstance(leaf, torch.Tensor) and not is_state(leaf)]
+             for path, leaf in zip(flat.paths, flat.leaves) if isinstance(leaf, torch.Tensor) and not is_state(leaf)]
     return f"{getattr(fn, '__name__', 'fn')}({', '.join(shown)})"
 
 
@@ -311,10 +310,9 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _placement(args: tuple, kwargs: dict) -> tuple[torch.device, int]:
+def _placement(flat: Flat) -> tuple[torch.device, int]:
     """The device of the first tensor argument (the CPU if none) and the number of ranks."""
-    leaves = optree.tree_leaves((args, kwargs))
-    device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    device = next((leaf.device for leaf in flat.leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
     return device, dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 

@@ -3,7 +3,7 @@
 A plan is built from one call's arguments and from Python state that tracing and capture read:
 
 * the arguments' pytree structure, each tensor's shape, strides, dtype and device, and each static
-  leaf's value (`signature`; the cache key, as in `jax.jit`);
+  leaf's value (`call.CallSignature`; the cache key, as in `jax.jit`);
 * process-wide settings that change what is traced or which kernels a CUDA graph captures (autocast,
   the default dtype and device, deterministic algorithms, TF32 and reduced-precision matmuls:
   `call_state`);
@@ -11,47 +11,25 @@ A plan is built from one call's arguments and from Python state that tracing and
 * the tensors the function closes over (their layout; they are read in place).
 
 Hashing the full key costs about half a microsecond per leaf, as long as a replay for a decode step
-with hundreds of weights, so a call first asks the `Guard` of the entry used last: tensors read in
-place (parameters, donated and persistent arguments, closed-over tensors) are recognized by identity
+with hundreds of weights, so a call first asks the `Guard` of the plan used last: resident tensors
+(parameters, donated and persistent arguments, closed-over tensors) are recognized by identity
 and version counter, everything else is compared in full.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .. import compat
 from ..errors import InputError
+from ..ir.tree import leaf_key
+from .binding import picker
 
 _VERSION = operator.attrgetter("_version")
 _TRAINING = operator.attrgetter("training")
-
-
-def static_key(leaf: Any) -> Any:
-    """A static leaf's part of the cache key: equal exactly when tracing would bake in the same value.
-
-    `==` is not that: `0.0 == -0.0` (but 1 / -0.0 is -inf) and `nan != nan` (a NaN would never hit).
-    Floats are keyed by their bits, frozen dataclasses field by field (their `==` compares floats the
-    same lossy way), everything else by type and value (so True and 1 differ)."""
-    if isinstance(leaf, float):
-        return float, leaf.hex() if not math.isnan(leaf) else "nan"
-    if isinstance(leaf, complex):
-        return complex, static_key(leaf.real), static_key(leaf.imag)
-    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-        return type(leaf), tuple(static_key(getattr(leaf, f.name)) for f in dataclasses.fields(leaf))
-    return type(leaf), leaf
-
-
-def signature(leaves: Sequence[Any]) -> tuple:
-    """Per leaf: a tensor's shape, strides, dtype and device (the fields of `TensorSpec`, as a plain
-    tuple: this runs on every call that misses the fast check), or a static leaf's key."""
-    return tuple([(leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
-                  else static_key(leaf) for leaf in leaves])
 
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -71,16 +49,6 @@ def call_state() -> tuple:
         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES)
     modes = () if not _function_modes() else (str(torch.get_default_device()),)
     return _default_dtype(), _deterministic(), _matmul(), autocast, modes
-
-
-def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
-    """A fast `lambda items: tuple(items[i] for i in positions)`."""
-    if len(positions) > 1:
-        return operator.itemgetter(*positions)
-    if positions:
-        only = positions[0]
-        return lambda items: (items[only],)
-    return lambda items: ()
 
 
 class Guard:
@@ -105,23 +73,27 @@ class Guard:
         self.pick_rest = picker([i for i in range(len(leaves)) if i not in chosen])
         self.in_place = self.pick_in_place(leaves)
         self.versions = list(map(_VERSION, self.in_place))
-        self.rest = signature(self.pick_rest(leaves))
+        self.rest = _keys(self.pick_rest(leaves))
         self.modules = list(modules)
         self.training = list(map(_TRAINING, self.modules))
         self.captured_in_place = list(captured_in_place)
         self.captured_versions = list(map(_VERSION, self.captured_in_place))
         self.captured_compared = list(captured_compared)
-        self.captured_signature = signature(self.captured_compared)
+        self.captured_signature = _keys(self.captured_compared)
 
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
         if treedef != self.treedef or state != self.state:
             return False
         in_place = self.pick_in_place(leaves)
         return (all(map(operator.is_, in_place, self.in_place)) and list(map(_VERSION, in_place)) == self.versions
-                and signature(self.pick_rest(leaves)) == self.rest
+                and _keys(self.pick_rest(leaves)) == self.rest
                 and list(map(_TRAINING, self.modules)) == self.training
                 and list(map(_VERSION, self.captured_in_place)) == self.captured_versions
-                and signature(self.captured_compared) == self.captured_signature)
+                and _keys(self.captured_compared) == self.captured_signature)
+
+
+def _keys(leaves: Sequence[Any]) -> tuple:
+    return tuple(map(leaf_key, leaves))
 
 
 def modes_unchanged(module_modes: Sequence[tuple[torch.nn.Module, bool]]) -> bool:

@@ -10,15 +10,6 @@ from ..errors import InputError
 from ..ir import tree
 
 
-def argnums(value: Any, option: str) -> tuple[int, ...]:
-    """`donate_argnums` / `persistent_argnums` as a tuple of ints (one int is accepted, as in JAX)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if not isinstance(value, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise InputError(f"{option} takes positions of positional arguments (an int or a tuple of ints), got {value!r}")
-    return tuple(value)
-
-
 @dataclass(frozen=True)
 class TensorInputs:
     """The argument tensors of one input signature, in the order the plan takes them.
@@ -34,10 +25,10 @@ class TensorInputs:
     persistent: frozenset[int]
 
     @classmethod
-    def of(cls, fn: Callable[..., Any], args: tuple, kwargs: dict, donate_argnums: Sequence[int],
+    def of(cls, fn: Callable[..., Any], flat: tree.Flat, donate_argnums: Sequence[int],
            persistent_argnums: Sequence[int]) -> "TensorInputs":
-        """The tensor inputs of `fn(*args, **kwargs)`; raises if an option names no tensor argument."""
-        paths, leaves, _ = tree.flatten((args, kwargs))
+        """The tensor inputs of a call of `fn`; raises if an option names no tensor argument."""
+        args, paths, leaves = flat.args, flat.paths, flat.leaves
         arg_names = tree.argument_names(fn, len(args))
         positions = tree.classify_leaves(paths, leaves, arg_names).tensor_positions
         tensor_paths = [paths[i] for i in positions]

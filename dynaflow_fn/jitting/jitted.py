@@ -1,16 +1,18 @@
-"""`df.jit`: trace, transform and lower on the first call for each input signature; replay after.
+"""`df.jit`: trace, transform and lower on the first call for each call signature; replay after.
 
-A plan is built for one input signature and one state of the caller's program (see `guard`): a call
-whose signature and state match an entry runs its executable straight away, which on CUDA is input
+A plan is built for one call signature (`call.CallSignature`) and one state of the caller's
+program (see `guard`): a call that matches runs its executable straight away, which on CUDA is input
 copies, one graph replay and output clones. Every call is checked, never assumed: the arguments'
 structure and layouts, the process-wide settings tracing reads, the train/eval mode of the modules
-whose flag the trace read, and the tensors the function closes over (read in place, like parameters).
+whose flag the trace read, and the tensors the function closes over (resident, like parameters).
 
 A call that would compute something other than `fn` is refused with a named error instead: arguments
 that share memory with one the plan writes, or backward through a plan's outputs.
 
-`Jitted` is the cache; what it runs on a miss is `pipeline` (trace, passes, lower), what it keeps is
-an `entry.Entry` per plan, and `strategy="auto"` picks among candidate functions in `autotune`.
+The path of a call: `Jitted.__call__` flattens the arguments once; the last plan's `Guard` admits
+the call (`guard`), or the cache finds or builds a `Replayer` by the signature; a miss runs the
+`Pipeline` (trace -> passes -> lower -> verify) and binds the Plan to the call (`Binding`);
+`strategy="auto"` chooses among candidate functions (`autotune`).
 """
 
 from __future__ import annotations
@@ -23,18 +25,20 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..errors import InPlaceInputMoved, InputError
+from ..errors import InPlaceInputMoved
 from ..ir.program import Program
+from ..ir.tree import Flat
 from ..plan.plan import Plan
-from . import autotune, pipeline
+from . import autotune
+from .binding import Binding
+from .call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from .cold_start import ColdStart
-from .donation import match_donations
-from .entry import Entry
-from .guard import call_state, modes_unchanged, signature
-from .inputs import TensorInputs, argnums
-from .retrace import RETRACE_WARNING_ENTRIES, warn_retracing
+from .guard import call_state, modes_unchanged
+from .inputs import TensorInputs
+from .options import JitOptions
+from .pipeline import Pipeline
+from .replayer import Replayer
 
-BACKENDS = ("auto", "eager", "cudagraph", "inductor")
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -49,29 +53,17 @@ class CacheInfo:
 
 
 class Jitted:
-    """A function compiled per input signature into a static Plan and run by a backend."""
+    """A function compiled per call signature into a static Plan and run by its runtime."""
 
-    def __init__(self, fn: Callable[..., Any], backend: str, donate_argnums: Sequence[int],
-                 persistent_argnums: Sequence[int], static_outputs: bool, strategy: str | None = None,
-                 in_axes: Any = None, progress: bool = True):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        if strategy not in (None, "auto"):
-            raise ValueError(f"jit takes strategy=None or 'auto', got {strategy!r}; to fix a strategy, transform "
-                             f"the function: df.jit(T.overlap(fn, strategy={strategy!r}))")
-        if in_axes is not None and strategy != "auto":
-            raise ValueError("in_axes tells strategy='auto' how to micro-batch; pass strategy='auto' with it")
+    def __init__(self, fn: Callable[..., Any], options: JitOptions):
         self.fn = fn
         self.name = getattr(fn, "__name__", "fn")
-        self.strategy, self.in_axes, self.progress = strategy, in_axes, progress
+        self.options = options
+        self.pipeline = Pipeline(fn, options)
         self.choices: dict[str, autotune.Choice] = {}
-        self.backend = backend
-        self.donate_argnums = argnums(donate_argnums, "donate_argnums")
-        self.persistent_argnums = argnums(persistent_argnums, "persistent_argnums")
-        self.static_outputs = static_outputs
-        self._cache: dict[Any, list[Entry]] = {}
+        self._cache: dict[CallSignature, list[Replayer]] = {}
         self._compiling = threading.RLock()
-        self._last: Entry | None = None
+        self._last: Replayer | None = None
         self.hits = self.misses = self.captures = 0
         functools.update_wrapper(self, fn, updated=())
 
@@ -91,37 +83,38 @@ class Jitted:
                 return outputs
             except InPlaceInputMoved:
                 pass
-        try:
-            key = (treedef, signature(leaves), state)
-            entry = self._find(key)
-        except TypeError:
-            key, entry = None, None
-        if entry is None:
-            with self._compiling:                      # threads missing at once build the entry once
-                entry = self._find(key) if key is not None else None
-                if entry is None:
-                    entry = self._compile(args, kwargs, key)
+        flat = Flat(args, kwargs, leaves, treedef)
+        signature = CallSignature.of(flat, state)
+        replayer = self._find(signature) if signature is not None else None
+        if replayer is None:
+            with self._compiling:                      # threads missing at once build the plan once
+                replayer = self._find(signature) if signature is not None else None
+                if replayer is None:
+                    replayer = self._compile(flat, signature)
                 else:
                     self.hits += 1
         else:
             self.hits += 1
-        self._last = entry if key is not None else None
-        return entry.call(treedef, leaves, state)
+        self._last = replayer if signature is not None else None
+        return replayer.call(treedef, leaves, state)
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
-        """The Program (after transforms) that a call with these arguments runs."""
-        return pipeline.traced(self.fn, args, kwargs)
+        """The Program (after transforms and the passes that choose its kernels' form, before lowering)
+        that a call with these arguments runs."""
+        flat = Flat.of(args, kwargs)
+        return self.pipeline.build(self.fn, flat, self._inputs(flat), until="causal masks").program
 
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
         """The Plan that a call with these arguments runs (built, not run, if not cached yet; with
         strategy="auto" and no call yet, the plan without overlap, since choosing needs running)."""
-        leaves, treedef = optree.tree_flatten((args, kwargs))
-        entry = self._find((treedef, signature(leaves), call_state()))
-        return entry.plan if entry is not None else self._entry(self.fn, args, kwargs).plan
+        flat = Flat.of(args, kwargs)
+        signature = CallSignature.of(flat, call_state())
+        replayer = self._find(signature) if signature is not None else None
+        return replayer.plan if replayer is not None else self._replayer(self.fn, flat).plan
 
     def plans(self) -> list[Plan]:
-        """The plans built so far, one per input signature and program state, oldest first."""
-        return [entry.plan for entries in self._cache.values() for entry in entries]
+        """The plans built so far, one per call signature and program state, oldest first."""
+        return [replayer.plan for replayers in self._cache.values() for replayer in replayers]
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, self.captures, sum(map(len, self._cache.values())))
@@ -135,67 +128,54 @@ class Jitted:
             self._cache.clear()
             self._last = None
 
-    def resolve_backend(self, device: torch.device) -> str:
-        """The runtime of a plan: Inductor's stages run inside the same CUDA graph or interpreter."""
-        if self.backend in ("auto", "inductor"):
-            return "cudagraph" if device.type == "cuda" else "eager"
-        if self.backend == "cudagraph" and device.type != "cuda":
-            raise InputError(f"backend='cudagraph' needs CUDA tensors, but the arguments are on {device}; "
-                             f"use backend='auto' or 'eager'")
-        return self.backend
-
     # --- compilation -----------------------------------------------------------------------------
 
-    def _find(self, key: Any) -> Entry | None:
-        """The entry for this key whose modules are in the modes they were traced in; entries whose
+    def _find(self, signature: CallSignature) -> Replayer | None:
+        """The plan for this signature whose modules are in the modes they were traced in; plans whose
         closed-over tensors changed layout can never run again and are dropped."""
-        entries = self._cache.get(key)
-        if not entries:
+        replayers = self._cache.get(signature)
+        if not replayers:
             return None
-        live = [entry for entry in entries if not entry.stale()]
-        if len(live) < len(entries):
-            self._cache[key] = live
-        return next((entry for entry in live if modes_unchanged(entry.module_modes)), None)
+        live = [replayer for replayer in replayers if not replayer.binding.stale()]
+        if len(live) < len(replayers):
+            self._cache[signature] = live
+        return next((r for r in live if modes_unchanged(r.binding.module_modes)), None)
 
-    def _entry(self, fn: Callable[..., Any], args: tuple, kwargs: dict, cold_start: ColdStart | None = None
-               ) -> Entry:
-        """Trace, compile and lower `fn` for these arguments (see `pipeline`), timing each phase."""
-        cold_start = cold_start or ColdStart(self.name, show=False)
-        inputs = TensorInputs.of(self.fn, args, kwargs, self.donate_argnums, self.persistent_argnums)
-        with cold_start.phase("trace"):
-            program = pipeline.traced(fn, args, kwargs)
-        kernels = pipeline.kernels(self.backend, program.device)
-        with cold_start.phase(kernels):
-            program = pipeline.compiled(program, kernels, self.progress)
-        with cold_start.phase("lower"):
-            plan = pipeline.lowered(program, match_donations(program, inputs))
-        return Entry(plan, program.module_modes, inputs, self.resolve_backend(plan.device), self.static_outputs,
-                     self._count_capture, self.name, cold_start)
+    def _inputs(self, flat: Flat) -> TensorInputs:
+        return TensorInputs.of(self.fn, flat, self.options.donate_argnums, self.options.persistent_argnums)
+
+    def _replayer(self, fn: Callable[..., Any], flat: Flat, cold_start: ColdStart | None = None) -> Replayer:
+        """`fn` (the function, or a candidate strategy of it) through the pipeline for this call, bound."""
+        inputs = self._inputs(flat)
+        built = self.pipeline.build(fn, flat, inputs, cold_start)
+        binding = Binding(built.plan, built.program.module_modes, inputs, self.name)
+        return Replayer(binding, self.options.runtime(built.plan.device), self.options.static_outputs,
+                        self._count_capture, cold_start)
 
     def _count_capture(self) -> None:
         self.captures += 1
 
-    def _compile(self, args: tuple, kwargs: dict, key: Any) -> Entry:
-        if self.strategy == "auto" and key is not None:
-            entry = self._autotune(args, kwargs, key)
+    def _compile(self, flat: Flat, signature: CallSignature | None) -> Replayer:
+        if self.options.strategy == "auto" and signature is not None:
+            replayer = self._autotune(flat, signature)
         else:
-            entry = self._entry(self.fn, args, kwargs, ColdStart(self.name, self.progress))
+            replayer = self._replayer(self.fn, flat, ColdStart(self.name, self.options.progress))
         self.misses += 1
-        if key is not None:
+        if signature is not None:
             entries = self.cache_info().entries
             if entries >= RETRACE_WARNING_ENTRIES:
-                warn_retracing(self.fn, next(reversed(self._cache)), key, args, kwargs, entries + 1)
-            self._cache.setdefault(key, []).append(entry)
-        return entry
+                warn_retracing(self.fn, next(reversed(self._cache)), signature, flat, entries + 1)
+            self._cache.setdefault(signature, []).append(replayer)
+        return replayer
 
-    def _autotune(self, args: tuple, kwargs: dict, key: Any) -> Entry:
-        """This signature's entry for the strategy `autotune` picks: stored on disk, or timed now."""
-        described = repr(key)
-        measured_for = f"backend={self.backend!r} {described}"     # a choice made with other kernels may differ
-        choice, entry = autotune.tune(self.fn, self.in_axes, args, kwargs, measured_for,
-                                      lambda candidate: self._entry(candidate, args, kwargs), self.progress)
+    def _autotune(self, flat: Flat, signature: CallSignature) -> Replayer:
+        """This signature's plan for the strategy `autotune` picks: stored on disk, or timed now."""
+        described = repr(signature)
+        measured_for = f"backend={self.options.backend!r} {described}"   # a choice made with other kernels may differ
+        choice, replayer = autotune.tune(self.fn, self.options.in_axes, flat, measured_for,
+                                         lambda candidate: self._replayer(candidate, flat), self.options.progress)
         self.choices[described] = choice
-        return entry
+        return replayer
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,8 +214,8 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
     >>> y = fast(params, x)          # traces, lowers and captures on the first call
     >>> print(fast.lower(params, x)) # the Plan
     """
-    options = dict(backend=backend, donate_argnums=donate_argnums, persistent_argnums=persistent_argnums,
-                   static_outputs=static_outputs, strategy=strategy, in_axes=in_axes, progress=progress)
+    options = JitOptions(backend=backend, donate_argnums=donate_argnums, persistent_argnums=persistent_argnums,
+                         static_outputs=static_outputs, strategy=strategy, in_axes=in_axes, progress=progress)
     if fn is None:
-        return functools.partial(jit, **options)
-    return Jitted(fn, **options)
+        return lambda fn: Jitted(fn, options)
+    return Jitted(fn, options)

@@ -71,23 +71,31 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Program:
     >>> prog = df.trace(fn, params, x)
     >>> print(prog)
     """
+    return trace_flat(fn, tree.Flat.of(args, kwargs))
+
+
+def trace_flat(fn: Callable[..., Any], flat: tree.Flat) -> Program:
+    """`trace` of arguments flattened already (df.jit flattens each call once). A transformed function
+    traces itself (`__dynaflow_trace__`: its passes run on the trace)."""
     staged = getattr(fn, "__dynaflow_trace__", None)
     if staged is not None:
-        return staged(*args, **kwargs)
-    return trace_function(fn, args, kwargs)
+        return staged(flat)
+    return trace_function(fn, flat.args, flat.kwargs, flat=flat)
 
 
 def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
-                   body: Callable[..., Any] | None = None, provenance: Sequence[str] = ()) -> Program:
+                   body: Callable[..., Any] | None = None, provenance: Sequence[str] = (),
+                   flat: tree.Flat | None = None) -> Program:
     """Trace `body` (default: `fn`) on the abstract values of (args, kwargs).
 
     `fn` supplies names (argument names, the module for qualified module names); `body` is what runs.
     Transforms that rewrite the function itself (microbatch) pass the rewritten body here, and the
-    lines to add to the provenance after "trace".
+    lines to add to the provenance after "trace". `flat` is (args, kwargs) flattened, if it is at hand.
     """
     body = fn if body is None else body
     arg_names = tree.argument_names(fn, len(args))
-    paths, leaves, in_tree = tree.flatten((args, kwargs))
+    flat = flat or tree.Flat.of(args, kwargs)
+    paths, leaves, in_tree = flat.paths, flat.leaves, flat.treedef
     kinds = tree.classify_leaves(paths, leaves, arg_names)
     path_strs = [tree.path_to_str(p, arg_names) for p in paths]
     specs = {i: TensorSpec.of(leaves[i]) for i in kinds.tensor_positions}

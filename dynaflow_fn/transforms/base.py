@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import TransformError
 from ..ir.program import Program
+from ..ir.tree import Flat
 from ..tracing.tracer import trace_function
 
 
@@ -58,15 +59,16 @@ class Transformed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(p.changes_values for p in self.passes):
-            return self.__dynaflow_trace__(*args, **kwargs)(*args, **kwargs)
+            return self.__dynaflow_trace__(Flat.of(args, kwargs))(*args, **kwargs)
         self._check_call(args, kwargs)
         body = self.fn
         for p in self.passes:
             body = p.wrap_body(body) or body
         return body(*args, **kwargs)
 
-    def __dynaflow_trace__(self, *args: Any, **kwargs: Any) -> Program:
+    def __dynaflow_trace__(self, flat: Flat) -> Program:
         """Trace: passes that rewrite the body before the first Program pass are traced directly."""
+        args, kwargs = flat.args, flat.kwargs
         self._check_call(args, kwargs)
         body, leading = self.fn, 0
         for p in self.passes:
@@ -75,7 +77,7 @@ class Transformed:
                 break
             body, leading = wrapped, leading + 1
         program = trace_function(self.fn, args, kwargs, body=body,
-                                 provenance=[p.describe() for p in self.passes[:leading]])
+                                 provenance=[p.describe() for p in self.passes[:leading]], flat=flat)
         for p in self.passes[leading:]:
             program = p.apply(program)
         return program

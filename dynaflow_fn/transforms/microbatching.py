@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import TransformError, warn
 from ..ir.program import Program
-from ..ir.tree import TensorSpec, argument_names, output_path_to_str, path_to_str
+from ..ir.tree import argument_names, leaf_key, output_path_to_str, path_to_str
 from ..tracing.regions import active_recorder
 from .base import Pass, apply_transform, retraced
 from .microbatch_body import BodyFacts, merge_warning, study_body, studying
@@ -75,17 +75,13 @@ class MicrobatchPass(Pass):
         module = getattr(body, "__dynaflow_module__", None)
         modes = tuple(m.training for m in module.modules()) if module is not None else ()
         try:
-            key = (body, tree, tuple(_signature(leaf) for leaf in leaves), tuple(axes), rows, modes)
+            key = (body, tree, tuple(map(leaf_key, leaves)), tuple(axes), rows, modes)
             hash(key)
         except TypeError:        # an unhashable leaf: tracing will refuse it; nothing to cache
             return study_body(body, tree, leaves, paths, axes, rows)
         if key not in self._facts:
             self._facts[key] = study_body(body, tree, leaves, paths, axes, rows)
         return self._facts[key]
-
-
-def _signature(leaf: Any) -> Any:
-    return TensorSpec.of(leaf) if isinstance(leaf, (torch.Tensor, TensorSpec)) else (type(leaf), leaf)
 
 
 def _check_axes_tree(axes: Any, name: str, allow_reductions: bool) -> None:

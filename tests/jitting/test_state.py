@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn.jitting import pipeline, state
+from dynaflow_fn.jitting import options, state
 
 
 class WithCache(torch.nn.Module):
@@ -50,13 +50,13 @@ def test_state_is_forgotten_with_its_tensor():
     ("cudagraph", True, "aten"), ("eager", True, "aten"),
 ])
 def test_auto_runs_inductors_kernels_where_triton_serves_the_device(monkeypatch, backend, triton, expected):
-    monkeypatch.setattr(pipeline, "triton_available", lambda device: triton)
-    assert pipeline.kernels(backend, torch.device("cuda")) == expected
+    monkeypatch.setattr(options, "triton_available", lambda device: triton)
+    assert options.JitOptions(backend=backend).kernels(torch.device("cuda")) == expected
 
 
 def test_auto_keeps_aten_kernels_on_the_cpu():
-    assert not pipeline.triton_available(torch.device("cpu"))
-    assert pipeline.kernels("auto", torch.device("cpu")) == "aten"
+    assert not options.triton_available(torch.device("cpu"))
+    assert options.JitOptions().kernels(torch.device("cpu")) == "aten"
     plan = df.jit(lambda x: torch.relu(x) * 2).lower(torch.randn(4))
     assert not any("inductor" in line for line in plan.provenance)
 
@@ -74,13 +74,13 @@ def test_timing_runs_decide_what_is_read_in_place_from_the_callers_tensors(monke
     fast = df.jit(step)
     x = torch.randn(3, 4)
     fast(params, x)
-    (entry,) = fast._cache.popitem()[1]
+    (replayer,) = fast._cache.popitem()[1]
     leaves = [params[k] for k in sorted(params)] + [x]
     seen = []
-    monkeypatch.setattr(type(entry), "run", lambda self, tensors, rebuild_if_moved, read_in_place=None:
-                        seen.append((tensors, read_in_place)))
-    entry.benchmark(leaves)()
-    (tensors, read_in_place), = seen
+    monkeypatch.setattr(type(replayer), "run", lambda self, tensors, rebuild_if_moved, resident=None:
+                        seen.append((tensors, resident)))
+    replayer.benchmark(leaves)()
+    (tensors, resident), = seen
     cache = sorted(params).index("cache")
-    assert tensors[cache] is not params["cache"]                # timed on a copy...
-    assert read_in_place == entry.reads_in_place(leaves) and read_in_place[cache]     # ...decided on the original
+    assert tensors[cache] is not params["cache"]                         # timed on a copy...
+    assert resident == replayer.binding.resident(leaves) and resident[cache]     # ...decided on the original

@@ -1,0 +1,72 @@
+"""A Plan bound to the calls it serves: which leaves of a call are its tensor inputs, which of those
+are resident, which it writes, and how its outputs go back into the function's return structure.
+
+The plan's tensor inputs are the call's tensor leaves (flat, in order) and then the tensors the
+function closes over. A CUDA graph reads a *resident* input at its own address instead of copying it
+in: model state (`state.is_state`), donated and persistent arguments, and closed-over tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..ir.tree import TensorSpec
+from ..plan.plan import Plan
+from .inputs import TensorInputs
+from .state import is_state
+
+
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A fast `lambda items: tuple(items[i] for i in positions)`."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    if positions:
+        only = positions[0]
+        return lambda items: (items[only],)
+    return lambda items: ()
+
+
+class Binding:
+    """A plan, the module modes it was traced in, and its input map (see the module docstring)."""
+
+    def __init__(self, plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]], inputs: TensorInputs,
+                 fn_name: str):
+        self.plan = plan
+        self.fn_name = fn_name
+        self.module_modes = tuple(module_modes)
+        self.positions = inputs.positions
+        self.pick_tensors = picker(inputs.positions)
+        self.closed_over = [c.tensor for c in plan.captured]
+        self.closed_over_specs = [TensorSpec.of(t) for t in self.closed_over]
+        arguments = len(inputs.positions)
+        self.declared_resident = inputs.donated | inputs.persistent | set(range(arguments, arguments + len(self.closed_over)))
+        self.names = list(inputs.names) + [c.name for c in plan.captured]
+        self.written = plan.written_inputs()
+        returned_inputs = set(plan.input_slots)
+        self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
+        self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
+
+    def stale(self) -> bool:
+        """Whether a closed-over tensor has changed layout: this plan can never run again."""
+        return any(TensorSpec.of(t) != spec for t, spec in zip(self.closed_over, self.closed_over_specs))
+
+    def tensors_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        """The plan's tensor inputs for a call with these leaves: the argument tensors, then the closed-over ones."""
+        tensors = list(self.pick_tensors(leaves))
+        if self.closed_over:
+            tensors += self.closed_over
+        return tensors
+
+    def resident(self, tensors: Sequence[torch.Tensor], copied_anyway: set[int] = frozenset()) -> list[bool]:
+        """Per input, whether a CUDA graph reads it at its own address: declared resident or model state,
+        on the plan's device, and not among the inputs that keep moving (`copied_anyway`)."""
+        device = self.plan.device
+        return [(i in self.declared_resident or is_state(t)) and t.device == device and i not in copied_anyway
+                for i, t in enumerate(tensors)]
+
+    def outputs(self, tensors: list[torch.Tensor]) -> Any:
+        """The call's return value from the plan's flat output tensors."""
+        return tensors[0] if self.only_output else self.plan.unflatten_outputs(tensors)

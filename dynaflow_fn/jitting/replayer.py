@@ -1,0 +1,160 @@
+"""Running a bound Plan: its executable (one CUDA graph, or the interpreter), built on first use and
+captured again when a resident input moved, and the `Guard` that lets later calls skip the lookup.
+
+A replayer runs in one of two ways. `call` serves a call that the full cache lookup matched: it runs
+the plan and then remembers a guard for calls like it. `replay` serves a call that this guard
+admitted, the per-call fast path: nothing but the run. `benchmark` is `call`'s run on copies of the
+inputs the plan writes, for timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import compat, distributed
+from ..errors import InPlaceInputMoved, warn
+from ..runtime.cudagraph import CudaGraphExecutable
+from ..runtime.eager import EagerExecutable
+from .binding import Binding
+from .cold_start import ColdStart
+from .guard import Guard, check_no_aliasing
+from .options import CUDAGRAPH
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class Replayer:
+    """The executable of one `Binding` and the guard of the calls it last served."""
+
+    def __init__(self, binding: Binding, runtime: str, static_outputs: bool, on_capture: Callable[[], None],
+                 cold_start: ColdStart | None = None):
+        self.binding = binding
+        self.runtime = runtime
+        self.static_outputs = static_outputs
+        self.on_capture = on_capture
+        self.cold_start = cold_start                   # timed until the first executable is built
+        self.executable: CudaGraphExecutable | EagerExecutable | None = None
+        self.guard: Guard | None = None
+        self.moved: set[int] = set()                   # resident inputs that arrived at a new address
+        self.copied_anyway: set[int] = set()           # ... twice: copied in from then on
+        self.no_backward = (f"backward through the outputs of df.jit({binding.fn_name}): a compiled plan records "
+                            f"no autograd graph. Differentiate inside the jitted function (df.value_and_grad / "
+                            f"df.grad return the gradients), or call it under torch.no_grad() when no gradient "
+                            f"is needed.").encode()
+        self._building = threading.Lock()              # threads arriving at once capture once
+
+    @property
+    def plan(self) -> Any:
+        return self.binding.plan
+
+    # --- the ways to run --------------------------------------------------------------------------
+
+    def call(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
+        """Run on leaves whose full signature, state and modes are this plan's; guard calls like it."""
+        outputs = self.run(self.binding.tensors_of(leaves), rebuild_if_moved=True)
+        self.guard = self._guard(treedef, leaves, state)
+        return outputs
+
+    def replay(self, leaves: Sequence[Any]) -> Any:
+        """Run on leaves that `guard` admitted. Raises InPlaceInputMoved if a resident input has new
+        memory, which may also mean a new layout (`t.data = ...`): the caller checks in full."""
+        return self.run(self.binding.tensors_of(leaves), rebuild_if_moved=False)
+
+    def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
+        """A call on the given arguments that leaves them unchanged: inputs the plan writes (donated,
+        mutated) are replaced by copies, so timing it many times has no effect outside. What is
+        resident is decided on the caller's tensors, not on the copies."""
+        tensors = self.binding.tensors_of(leaves)
+        resident = self.binding.resident(tensors, self.copied_anyway)
+        for i in self.binding.written:
+            tensors[i] = tensors[i].clone()
+        return lambda: self.run(tensors, rebuild_if_moved=True, resident=resident)
+
+    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool, resident: Sequence[bool] | None = None) -> Any:
+        """Run the executable (built on first use) on its inputs and return the call's outputs.
+        `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors."""
+        binding = self.binding
+        if binding.written:
+            check_no_aliasing(tensors, binding.written, binding.names)
+        executable = self.executable or self._build(tensors, None, resident)
+        try:
+            outputs = executable(tensors)
+        except InPlaceInputMoved:
+            if not rebuild_if_moved:
+                raise
+            outputs = self._build(tensors, executable, resident)(tensors)
+        if torch.is_grad_enabled() and binding.differentiable and any(map(_REQUIRES_GRAD, tensors)):
+            outputs = self._without_backward(outputs)
+        return binding.outputs(outputs)
+
+    # --- building ---------------------------------------------------------------------------------
+
+    def _build(self, tensors: Sequence[torch.Tensor], replacing: Any, resident: Sequence[bool] | None) -> Any:
+        """The executable, built for these tensors unless another thread built it meanwhile; `replacing`
+        is the executable found unfit for them (a resident input moved), or None."""
+        with self._building:
+            if self.executable is not replacing:
+                return self.executable
+            plan = self.plan
+            if replacing is None and distributed.collective_signature(plan):
+                distributed.check_consistent(plan)
+            if isinstance(replacing, CudaGraphExecutable) and resident is None:
+                self._note_moved(tensors, replacing)
+            if self.runtime == CUDAGRAPH:
+                with self._cold_start_phase("capture"):
+                    self.executable = CudaGraphExecutable(
+                        plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
+                        self.static_outputs)
+                self.on_capture()
+            else:
+                self.executable = EagerExecutable(plan, plan.device)
+            if self.cold_start is not None:
+                self.cold_start.finish()
+                self.cold_start = None
+            return self.executable
+
+    def _note_moved(self, tensors: Sequence[torch.Tensor], moved_from: CudaGraphExecutable) -> None:
+        """A resident input that arrives at a new address forces a new capture. One that does so a
+        second time is a per-call tensor in a resident's position (a new tensor passed where state was
+        expected): capturing on every call would cost far more than copying it, so from then on it is
+        copied in, which computes the same, and a warning says how to keep it resident."""
+        for i in moved_from.in_place:
+            if tensors[i].data_ptr() == moved_from.addresses[i]:
+                continue
+            if i in self.moved and i not in self.copied_anyway:
+                self.copied_anyway.add(i)
+                warn(f"df.jit({self.binding.fn_name}): {self.binding.names[i]} is resident (model state, donated "
+                     f"or persistent: read at its own address) but arrived at a new address again, which captured "
+                     f"the CUDA graph again; it is copied in on every call from now on. Pass the same tensor each "
+                     f"call to keep it resident.")
+            self.moved.add(i)
+
+    def _cold_start_phase(self, label: str) -> Any:
+        return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()
+
+    def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
+        """A guard for calls like this one: the executable's versioned inputs are known by identity and
+        version, every other leaf by its full signature."""
+        binding = self.binding
+        versioned = set(self.executable.versioned_inputs)
+        arguments = len(binding.positions)
+        return Guard(treedef, leaves, [binding.positions[i] for i in versioned if i < arguments], state,
+                     [m for m, _ in binding.module_modes],
+                     captured_in_place=[binding.closed_over[i - arguments] for i in versioned if i >= arguments],
+                     captured_compared=[t for k, t in enumerate(binding.closed_over) if arguments + k not in versioned])
+
+    def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
+        backward raises an error that says why df.jit has none and what to do instead."""
+        chosen = [i for i in self.binding.differentiable if outputs[i].is_floating_point() or outputs[i].is_complex()]
+        if not chosen:
+            return outputs
+        outputs = list(outputs)
+        for i, tensor in zip(chosen, compat.without_backward([outputs[i] for i in chosen], self.no_backward)):
+            outputs[i] = tensor
+        return outputs
