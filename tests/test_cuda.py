@@ -271,9 +271,9 @@ def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move()
 
     fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
     x = torch.randn(4, 8, device="cuda")
-    with pytest.warns(UserWarning, match=r"cache is read in place .* copied in on every call from now on") as caught:
+    with pytest.warns(UserWarning, match=r"cache is resident .* copied in on every call from now on") as caught:
         for _ in range(5):
             cache = torch.randn(4, 8, device="cuda")          # a new tensor where a persistent one was declared
             torch.testing.assert_close(fast(cache, x), scaled(cache, x))
     assert fast.cache_info().captures == 3                    # first call, first move, second move; then copied
-    assert len([w for w in caught if "read in place" in str(w.message)]) == 1
+    assert len([w for w in caught if "is resident" in str(w.message)]) == 1
