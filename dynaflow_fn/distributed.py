@@ -113,7 +113,7 @@ def collective_signature(plan: Plan) -> list[tuple]:
         if not _ops.launches_collective(step.op):
             continue
         shapes = tuple(str(plan.slots[s].layout) for s in step.reads())
-        signature.append((str(step.op), _constant_arguments(step.op, step.args, step.kwargs), shapes))
+        signature.append((_ops.op_info(step.op).name, _constant_arguments(step.op, step.args, step.kwargs), shapes))
     return signature
 
 

@@ -10,7 +10,6 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import fx
 
-from ..compat import OpOverload
 from ..ir import ops
 from ..ir.tree import TensorSpec
 from .draft import flat_values, map_nodes, storage_key
@@ -18,7 +17,7 @@ from .draft import flat_values, map_nodes, storage_key
 
 def allocates(node: fx.Node) -> bool:
     """Whether lowering would allocate the node's result (no direct out= kernel)."""
-    variant = ops.out_variant(node.target) if isinstance(node.target, OpOverload) else None
+    variant = ops.out_variant(node.target)
     return variant is None or not variant.direct
 
 

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..compat import OpOverload
 from ..ir import ops
 from ..ir.analyses import eliminate_dead_code, setup_nodes
 from ..ir.program import Program, copy_graph_module
@@ -67,9 +66,10 @@ class CausalKernelPass(Pass):
 
 def _mask_argument(op: Any) -> str | None:
     """The name of an attention op's mask argument, if it also takes `is_causal`."""
-    if not isinstance(op, OpOverload) or "scaled_dot_product" not in op._schema.name:
+    info = ops.op_info(op)
+    if info is None or "scaled_dot_product" not in info.packet:
         return None
-    names = {argument.name for argument in op._schema.arguments}
+    names = {argument.name for argument in info.arguments}
     return next((name for name in MASK_ARGUMENTS if name in names), None) if "is_causal" in names else None
 
 

@@ -149,7 +149,7 @@ def _compilable(node: fx.Node, setup: set[fx.Node]) -> bool:
 def _returns_tensor_lists(op: OpOverload) -> bool:
     """Multi-tensor ops (`_foreach_*`, `_fused_adamw`): optimizer updates, which lowering runs in place
     on donated parameters and state. Inside a compiled run they would write new tensors, copied back."""
-    return any(str(r.type) == "List[Tensor]" and r.alias_info is None for r in op._schema.returns)
+    return any(r.type == "List[Tensor]" and not r.aliased for r in ops.op_info(op).returns)
 
 
 # --- extracting and replacing a run ----------------------------------------------------------------
@@ -227,7 +227,7 @@ def _structure(graph: fx.Graph) -> tuple:
     """The graph's computation with node names replaced by positions: equal for every layer's copy."""
     position = {node: index for index, node in enumerate(graph.nodes)}
     rename = lambda arg: fx.node.map_arg(arg, lambda node: position[node])
-    return tuple((node.op, str(node.target), repr(rename(node.args)), repr(rename(node.kwargs)))
+    return tuple((node.op, node.target, repr(rename(node.args)), repr(rename(node.kwargs)))
                  for node in graph.nodes)
 
 

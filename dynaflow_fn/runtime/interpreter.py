@@ -14,6 +14,7 @@ import optree
 import torch
 
 from ..compat import sm_carveout, sm_carveout_supported
+from ..ir.ops import op_info
 from ..plan.plan import Plan, Ref, Slot, Step, StepKind, StorageKind
 from .collectives import all_reduce_on_current_stream
 
@@ -34,8 +35,8 @@ def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
     return typed.as_strided(layout.shape, layout.stride, start // layout.itemsize + layout.storage_offset)
 
 
-_RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: all_reduce_on_current_stream}
-"""Plan ops that run through another function with the same effect (see each function)."""
+_RUN_AS = {"_c10d_functional.all_reduce_": all_reduce_on_current_stream}
+"""Plan ops (by `OpInfo.packet`) that run through another function with the same effect (see each function)."""
 
 
 def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
@@ -64,7 +65,8 @@ def _compile_step(step: Step) -> Callable[[Env], None]:
     leaves, spec = optree.tree_flatten((step.args, step.kwargs), is_leaf=lambda x: isinstance(x, Ref),
                                        none_is_leaf=True)
     refs = [(i, leaf.slot) for i, leaf in enumerate(leaves) if isinstance(leaf, Ref)]
-    op = _RUN_AS.get(step.op, step.op)
+    info = op_info(step.op)
+    op = _RUN_AS.get(info.packet, step.op) if info is not None else step.op
 
     def arguments(env: Env) -> tuple[tuple, dict]:
         values = list(leaves)
