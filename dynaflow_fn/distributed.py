@@ -158,7 +158,7 @@ def check_consistent(plan: Plan, group: Any = None, timeout: float | None = None
     names = [f"{key}/{r}" for r in range(world)]
     try:
         store.wait(names, _datetime.timedelta(seconds=timeout))
-    except Exception as error:
+    except RuntimeError as error:          # the store's timeout (torch.distributed.DistStoreError is one)
         missing = [r for r, n in enumerate(names) if not store.check([n])]
         raise DistributedError(_missing_ranks(plan.name, store, rank, inputs, missing, timeout)) from error
     for other in range(world):

@@ -46,6 +46,12 @@ class InternalError(DynaflowError, AssertionError):
     The message names the invariant; please report it with the code that raised it."""
 
 
+class EquivalenceError(DynaflowError, AssertionError):
+    """A check of `dynaflow_fn.testing` found two computations that must agree and do not: a transformed
+    function and the original, a scheduled plan and the sequential one, two plannings of one program.
+    An AssertionError, as `torch.testing.assert_close` raises, so test runners report a failed test."""
+
+
 class BackwardError(DynaflowError, RuntimeError):
     """Backward reached a tensor that no autograd graph stands behind (an output of a df.jit plan).
     A RuntimeError, like the error torch's own autograd raises for it."""

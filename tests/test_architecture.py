@@ -1,6 +1,7 @@
 """The package's shape stays readable: pipeline folders, one-way imports, small modules and functions."""
 
 import ast
+import builtins
 import pathlib
 
 import pytest
@@ -213,3 +214,24 @@ def test_the_private_torch_check_finds_what_it_is_for(tmp_path):
         PACKAGE = package
     assert sorted(int(use.split(":")[1]) for use in uses) == [3, 4, 5, 6, 7, 8], uses
 
+
+# --- every error is one of errors.py's classes -----------------------------------------------------
+
+BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
+                      if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def builtin_raises(path: pathlib.Path) -> list[str]:
+    """`raise ValueError(...)` and the like: raises of a builtin exception class in one module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(raised, ast.Name) and raised.id in BUILTIN_EXCEPTIONS:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: raise {raised.id}")
+    return found
+
+
+def test_every_raise_is_one_of_the_package_error_classes():
+    raises = [r for path in _modules() for r in builtin_raises(path)]
+    assert not raises, "raise a class of dynaflow_fn/errors.py instead:\n" + "\n".join(raises)

@@ -175,7 +175,7 @@ def test_lower_returns_the_plan_without_running():
 
 
 def test_unknown_backend_is_an_error():
-    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+    with pytest.raises(df.InputError, match="unknown backend 'tpu'"):
         df.jit(lambda x: x, backend="tpu")
 
 

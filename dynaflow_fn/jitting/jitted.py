@@ -55,12 +55,12 @@ class Jitted:
                  persistent_argnums: Sequence[int], static_outputs: bool, strategy: str | None = None,
                  in_axes: Any = None, progress: bool = True):
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if strategy not in (None, "auto"):
-            raise ValueError(f"jit takes strategy=None or 'auto', got {strategy!r}; to fix a strategy, transform "
+            raise InputError(f"jit takes strategy=None or 'auto', got {strategy!r}; to fix a strategy, transform "
                              f"the function: df.jit(T.overlap(fn, strategy={strategy!r}))")
         if in_axes is not None and strategy != "auto":
-            raise ValueError("in_axes tells strategy='auto' how to micro-batch; pass strategy='auto' with it")
+            raise InputError("in_axes tells strategy='auto' how to micro-batch; pass strategy='auto' with it")
         self.fn = fn
         self.name = getattr(fn, "__name__", "fn")
         self.strategy, self.in_axes, self.progress = strategy, in_axes, progress
@@ -94,6 +94,8 @@ class Jitted:
         try:
             key = (treedef, signature(leaves), state)
             entry = self._find(key)
+        except InputError:
+            raise
         except TypeError:
             key, entry = None, None
         if entry is None:

@@ -20,7 +20,7 @@ import optree
 import torch
 from torch import fx
 
-from ..errors import InternalError
+from ..errors import InternalError, TransformError
 from ..ir import ops
 from ..ir.analyses import setup_nodes
 from ..ir.formatting import op_name
@@ -67,7 +67,10 @@ def _step_for(draft: PlanDraft, node: fx.Node, at_setup: bool) -> Step:
         return new_step(StepKind.COPY, stream, op, (Ref(dst), args[1]), {}, (dst,), node=node.name,
                         note="input mutation write-back")
     if ops.is_mutating(op):
-        raise NotImplementedError(f"in-place op {op} on a non-input in the functional graph ({node.name})")
+        raise TransformError(f"{node.name} = {op_name(op)}(...) writes {node.args[0]} in place, which is no program "
+                             f"input; lowering takes functional programs, whose only writes are the copy_ into an "
+                             f"input that tracing leaves for an input mutation. A pass that rewrote the program made "
+                             f"this node: have it emit the functional op instead")
     if node in draft.inplace and not at_setup:
         return _inplace_step(draft, node, stream, args, kwargs)
     if ops.is_collective_wait(op):

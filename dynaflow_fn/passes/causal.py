@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..errors import KERNEL_ERRORS
 from ..ir import ops
 from ..ir.analyses import eliminate_dead_code, setup_nodes
 from ..ir.program import Program, copy_graph_module
@@ -83,7 +84,7 @@ def _value_or_none(node: fx.Node, graph_module: fx.GraphModule) -> Any:
     program up, so a mask it cannot compute stays as traced and is computed at setup as before."""
     try:
         return _evaluate(node, graph_module, {})
-    except Exception:                      # any failure means: not provably causal
+    except KERNEL_ERRORS:                  # the mask's ops cannot run ahead of time: not provably causal
         return None
 
 

@@ -91,7 +91,7 @@ class InductorPass(Pass):
         try:
             with torch.no_grad():
                 return compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
-        except Exception as error:
+        except Exception as error:     # only Inductor runs here; its failures (asserts too) fall back to aten
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
                           f"({type(error).__name__}: {first_line})")

@@ -14,6 +14,7 @@ import optree
 import torch
 
 from ..compat import sm_carveout, sm_carveout_supported
+from ..errors import InternalError
 from ..ir.ops import op_info
 from ..plan.plan import Plan, Ref, Slot, Step, StepKind, StorageKind
 from .collectives import all_reduce_on_current_stream
@@ -30,7 +31,8 @@ def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
     layout = slot.layout
     start = offset + slot.byte_offset
     if start % layout.itemsize:
-        raise AssertionError(f"slot {slot.name} is misaligned at byte {start}")
+        raise InternalError(f"slot {slot.name} is misaligned at byte {start}: memory planning must place every "
+                            f"slot at a multiple of its element size")
     typed = buffer.view(layout.dtype)
     return typed.as_strided(layout.shape, layout.stride, start // layout.itemsize + layout.storage_offset)
 
