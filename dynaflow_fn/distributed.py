@@ -113,7 +113,7 @@ def collective_signature(plan: Plan) -> list[tuple]:
         if not _ops.launches_collective(step.op):
             continue
         shapes = tuple(str(plan.slots[s].layout) for s in step.reads())
-        signature.append((str(step.op), _constant_arguments(step.op, step.args, step.kwargs), shapes))
+        signature.append((_ops.op_info(step.op).name, _constant_arguments(step.op, step.args, step.kwargs), shapes))
     return signature
 
 
@@ -158,7 +158,7 @@ def check_consistent(plan: Plan, group: Any = None, timeout: float | None = None
     names = [f"{key}/{r}" for r in range(world)]
     try:
         store.wait(names, _datetime.timedelta(seconds=timeout))
-    except Exception as error:
+    except RuntimeError as error:          # the store's timeout (torch.distributed.DistStoreError is one)
         missing = [r for r, n in enumerate(names) if not store.check([n])]
         raise DistributedError(_missing_ranks(plan.name, store, rank, inputs, missing, timeout)) from error
     for other in range(world):

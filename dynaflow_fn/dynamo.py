@@ -34,9 +34,9 @@ class CompileBackend:
     def __init__(self, strategy: str | None, transforms: Callable[[Callable], Callable] | None, backend: str,
                  in_axes: str | None, jit_options: dict[str, Any]):
         if in_axes not in (None, "arguments"):
-            raise ValueError(f"compile_backend takes in_axes=None or 'arguments', got {in_axes!r}")
+            raise InputError(f"compile_backend takes in_axes=None or 'arguments', got {in_axes!r}")
         if in_axes is not None and strategy != "auto":
-            raise ValueError("in_axes='arguments' tells strategy='auto' what to micro-batch; pass strategy='auto'")
+            raise InputError("in_axes='arguments' tells strategy='auto' what to micro-batch; pass strategy='auto'")
         self.strategy = strategy
         self.transforms = transforms
         self.backend = backend

@@ -46,6 +46,23 @@ class InternalError(DynaflowError, AssertionError):
     The message names the invariant; please report it with the code that raised it."""
 
 
+class EquivalenceError(DynaflowError, AssertionError):
+    """A check of `dynaflow_fn.testing` found two computations that must agree and do not: a transformed
+    function and the original, a scheduled plan and the sequential one, two plannings of one program.
+    An AssertionError, as `torch.testing.assert_close` raises, so test runners report a failed test."""
+
+
+class BackwardError(DynaflowError, RuntimeError):
+    """Backward reached a tensor that no autograd graph stands behind (an output of a df.jit plan).
+    A RuntimeError, like the error torch's own autograd raises for it."""
+
+
+KERNEL_ERRORS = (RuntimeError, TypeError, ValueError, IndexError)
+"""What torch's kernels raise for inputs they cannot take (`torch._check` and its variants, TORCH_CHECK
+in C++; NotImplementedError and torch.OutOfMemoryError are RuntimeErrors): a probe that runs a kernel
+catches these and no more, so a bug elsewhere still surfaces."""
+
+
 _LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torch.__file__, optree.__file__))
 _GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
 

@@ -151,7 +151,7 @@ def _zeros_like(params: Params) -> Any:
 def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> Optimizer:
     """Stochastic gradient descent with optional momentum and (coupled) weight decay, as torch.optim.SGD."""
     if nesterov and momentum <= 0:
-        raise ValueError("nesterov momentum needs momentum > 0")
+        raise InputError(f"sgd(nesterov=True) needs momentum > 0, got momentum={momentum}")
     state_layout = {"momentum": _like_parameter} if momentum else {}
 
     def init(params: Params) -> State:

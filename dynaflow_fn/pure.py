@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .errors import InputError
 from .jitting.state import register_module_state
 
 Params = dict[str, torch.Tensor]
@@ -28,7 +29,7 @@ def pure(module: nn.Module) -> tuple[Callable[..., Any], Params]:
     >>> y = fn(params, x)            # same as model(x)
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"df.pure takes an nn.Module, got {type(module).__qualname__}")
+        raise InputError(f"df.pure takes an nn.Module, got {type(module).__qualname__}")
     params: Params = dict(module.named_parameters(remove_duplicate=True))
     params.update(module.named_buffers(remove_duplicate=True))
     register_module_state(params.values())

@@ -1,6 +1,7 @@
 """The package's shape stays readable: pipeline folders, one-way imports, small modules and functions."""
 
 import ast
+import builtins
 import pathlib
 
 import pytest
@@ -90,3 +91,147 @@ def test_every_exception_class_of_the_package_lives_in_errors():
                     for base in node.bases):
                 defined_elsewhere.append(f"{path.relative_to(PACKAGE)}:{node.name}")
     assert not defined_elsewhere, defined_elsewhere
+
+
+# --- private torch internals live in compat ---------------------------------------------------------
+
+TORCH_NAMESPACES_OF_OPS = ("torch.ops.",)
+"""Attribute chains under these are operator names (`torch.ops._c10d_functional.all_reduce`), not internals."""
+
+PRIVATE_BY_CONTRACT = {"cdata", "tracer", "experimental"}
+"""Names without a leading underscore that still reach torch internals: a StorageWeakRef's raw storage
+pointer, a proxy mode's tracer, and `torch.fx.experimental`."""
+
+
+def _is_private(name: str) -> bool:
+    return (name.startswith("_") and not name.startswith("__")) or name in PRIVATE_BY_CONTRACT
+
+
+def _is_foreach_op(name: str) -> bool:
+    return name.startswith("_foreach_")
+
+
+def _names_the_package_defines(paths: list[pathlib.Path]) -> set[str]:
+    """Every name a module of the package binds (functions, classes, variables, attributes, parameters):
+    a private attribute with one of these names is the package's own, not torch's."""
+    defined = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.alias):
+                defined.add(node.asname or node.name.split(".")[0])
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                defined.add(node.args[1].value)
+    return defined - PRIVATE_BY_CONTRACT
+
+
+def _torch_aliases(tree: ast.Module) -> dict[str, str]:
+    """Local names bound to torch modules (`import torch as _torch`, `import torch.distributed as dist`)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch" or alias.name.startswith("torch."):
+                    aliases[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """`torch.ops.aten.mm` for an attribute chain rooted at a torch module, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in aliases:
+        return ".".join([aliases[node.id], *reversed(parts)])
+    return None
+
+
+def private_torch_uses(path: pathlib.Path, defined: set[str]) -> list[str]:
+    """The places in one module that reach a private torch internal: an import of a private torch module
+    or name, a private attribute of a torch module, and a private attribute (or getattr/hasattr of one)
+    that the package does not define itself, read on any object torch hands back (`op._schema`)."""
+    tree = ast.parse(path.read_text())
+    aliases = _torch_aliases(tree)
+    found, covered = [], set()
+    for node in ast.walk(tree):
+        if node in covered:
+            continue
+        where = f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            names = node.module.split(".") + [a.name for a in node.names]
+            found += [f"{where}: from {node.module} import {a.name}" for a in node.names
+                      if any(_is_private(n) for n in names)][:1]
+        elif isinstance(node, ast.Import):
+            found += [f"{where}: import {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(_is_private(n) for n in a.name.split("."))]
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+            covered.update(n for n in ast.walk(node.value) if isinstance(n, ast.Attribute))   # one report a chain
+            dotted = _dotted(node, aliases)
+            if dotted is not None:
+                if not dotted.startswith(TORCH_NAMESPACES_OF_OPS) and not _is_foreach_op(node.attr):
+                    found.append(f"{where}: {dotted}")
+            elif node.attr not in defined and not _is_foreach_op(node.attr):
+                found.append(f"{where}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _is_private(node.args[1].value) \
+                and node.args[1].value not in defined:
+            found.append(f"{where}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_torch_internals_are_reached_only_through_compat():
+    outside = [p for p in _modules() if _part(p) != "compat"]
+    defined = _names_the_package_defines(outside)
+    uses = [use for path in outside for use in private_torch_uses(path, defined)]
+    assert not uses, "reach these through dynaflow_fn.compat (each with a fallback):\n" + "\n".join(uses)
+
+
+def test_the_private_torch_check_finds_what_it_is_for(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import torch\nimport torch as _t\nfrom torch._subclasses import fake_tensor\n"
+                      "from torch.fx.experimental.proxy_tensor import get_proxy_mode\n"
+                      "a = op._schema.name\nb = _t._C._get_tracing_state\nc = getattr(op, '_overloadname')\n"
+                      "d = ref.cdata\ne = torch.ops._c10d_functional.all_reduce\nf = _t._foreach_add\n"
+                      "g = self._own\nself._own = 1\n")
+    global PACKAGE
+    package, PACKAGE = PACKAGE, tmp_path
+    try:
+        uses = private_torch_uses(module, _names_the_package_defines([module]))
+    finally:
+        PACKAGE = package
+    assert sorted(int(use.split(":")[1]) for use in uses) == [3, 4, 5, 6, 7, 8], uses
+
+
+# --- every error is one of errors.py's classes -----------------------------------------------------
+
+BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
+                      if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def builtin_raises(path: pathlib.Path) -> list[str]:
+    """`raise ValueError(...)` and the like: raises of a builtin exception class in one module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(raised, ast.Name) and raised.id in BUILTIN_EXCEPTIONS:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: raise {raised.id}")
+    return found
+
+
+def test_every_raise_is_one_of_the_package_error_classes():
+    raises = [r for path in _modules() for r in builtin_raises(path)]
+    assert not raises, "raise a class of dynaflow_fn/errors.py instead:\n" + "\n".join(raises)

@@ -6,7 +6,8 @@ import torch.fx._symbolic_trace as symbolic_trace
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynaflow_fn import compat
-from dynaflow_fn.errors import MetaKernelRejection
+from dynaflow_fn.compat import tracing as compat_tracing
+from dynaflow_fn.errors import BackwardError, InputError, MetaKernelRejection
 
 
 def _fx_tracing_seen_inside_make_fx(cleared: bool) -> bool:
@@ -40,6 +41,24 @@ def test_fx_tracing_flag_cleared_without_either_flag_is_a_no_op(monkeypatch):
 def test_op_overload_is_the_type_of_aten_overloads():
     assert isinstance(torch.ops.aten.mm.default, compat.OpOverload)
     assert not isinstance(torch.mm, compat.OpOverload)
+
+
+class _OverloadWithoutSchema:
+    """An op overload as a torch without `OpOverload._schema` would hand it over: its public name only."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def name(self):
+        return self.op.name()
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.add_.Tensor, torch.ops.aten.mm.default, torch.ops.aten.split.Tensor,
+                                torch.ops._c10d_functional.all_reduce.default])
+def test_op_schema_and_its_fallback_read_the_same_schema(op):
+    schema = compat.op_schema(op)
+    assert str(schema) == str(op._schema)
+    assert str(compat.op_schema(_OverloadWithoutSchema(op))) == str(schema)
 
 
 def test_has_kernel_for_tells_generated_out_kernels_apart(monkeypatch):
@@ -83,6 +102,8 @@ def test_process_group_lookup_by_name_with_and_without_the_resolver(monkeypatch)
         assert compat.default_store() is not None
         monkeypatch.delattr(distributed_c10d, "_resolve_process_group")
         assert compat.resolve_process_group(group.group_name) is group
+        with pytest.raises(InputError, match="no process group is named 'nowhere'.*new_group"):
+            compat.resolve_process_group("nowhere")
     finally:
         dist.destroy_process_group()
 
@@ -118,8 +139,9 @@ def test_without_backward_and_its_fallback_raise_the_message(monkeypatch):
         x = torch.randn(3)
         (y,) = compat.without_backward([x], b"no graph here")
         assert y.requires_grad and y.data_ptr() == x.data_ptr() and torch.equal(y.detach(), x)
-        with pytest.raises(RuntimeError, match="no graph here"):
+        with pytest.raises(RuntimeError, match="no graph here") as caught:
             (y * weight).sum().backward()
+        assert isinstance(caught.value, BackwardError) == fallback       # torch's own error, or ours (a RuntimeError)
 
 
 def test_data_ptrs_equal_in_python(monkeypatch):
@@ -148,7 +170,7 @@ def test_a_meta_kernel_stricter_than_the_real_one_defers_to_it(monkeypatch):
             trace(torch.randn(4, 8), torch.randn(7, 3), compat.FakeTensorModeWithFallback)
         assert caught.value.confirmed and "cannot be multiplied" in str(caught.value)
         monkeypatch.delattr(compat.FakeTensorMode, "can_run_unsafe_fallback")
-        with pytest.raises(compat.MetaKernelRejection, match="the meta kernel refuses") as caught:
+        with pytest.raises(MetaKernelRejection, match="the meta kernel refuses") as caught:
             trace(torch.randn(5, 8), torch.randn(8, 3), compat.FakeTensorModeWithFallback)  # new shapes: no cache hit
         assert not caught.value.confirmed
 
@@ -157,6 +179,30 @@ def test_current_stream_id_and_workspace_clearing_without_cuda(monkeypatch):
     compat.clear_cublas_workspaces()                                 # a no-op without CUDA, never an error
     monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)
     compat.clear_cublas_workspaces()
+
+
+def test_current_trace_graph_and_its_fallback_are_the_graph_make_fx_records(monkeypatch):
+    graphs = []
+
+    def body(x):
+        graphs.append(compat.current_trace_graph())
+        y = x * 2
+        graphs.append(compat.current_trace_graph())
+        return y
+
+    def traced_graph():
+        graphs.clear()
+        graph_module = make_fx(body, tracing_mode="fake")(torch.randn(2))
+        assert graphs[0] is graphs[1]
+        return graph_module, graphs[0]
+
+    graph_module, graph = traced_graph()
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == [torch.ops.aten.mul.Tensor]
+    monkeypatch.setattr(compat_tracing, "_get_proxy_mode", None)
+    graph_module, graph = traced_graph()
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == [torch.ops.aten.mul.Tensor]
+    with pytest.raises(AssertionError, match="no make_fx trace in progress"):
+        compat.current_trace_graph()
 
 
 def test_outside_current_trace_steps_out_of_make_fx():

@@ -1,6 +1,7 @@
 """Wrong inputs to rules, schedulers, df.lower and df.verify are named errors that say what was expected,
 and warnings point at the user's line."""
 
+import contextlib
 import inspect
 import os
 import re
@@ -10,6 +11,7 @@ import torch
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from dynaflow_fn.ir.program import copy_graph_module
 from models import MLP, Block
 
 
@@ -277,3 +279,69 @@ def test_a_good_donation_writes_the_output_into_the_input():
     torch.testing.assert_close(donated, expected[0])
     for out, reference in zip(outputs, expected):
         torch.testing.assert_close(out, reference)
+
+
+# --- every error is a class of dynaflow_fn.errors --------------------------------------------------
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: T.compose(T.microbatch(num=2), 3), df.InputError, "compose takes transforms"),
+    (lambda: T.microbatch(3, num=2), df.InputError, "transforms take a function or a Program, got int"),
+    (lambda: df.optim.sgd(lr=0.1, nesterov=True), df.InputError, r"nesterov=True\) needs momentum > 0"),
+    (lambda: df.pure(lambda x: x), df.InputError, "df.pure takes an nn.Module"),
+    (lambda: T.overlap(strategy="fastest"), df.InputError, "unknown strategy 'fastest'"),
+    (lambda: df.jit(lambda x: x, backend="tpu"), df.InputError, "unknown backend 'tpu'"),
+])
+def test_a_bad_option_is_an_input_error_naming_it(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_regions_that_do_not_nest_are_a_trace_error_saying_how_to_write_them():
+    def interleaved(x):
+        outer, inner = df.region("outer"), df.region("inner")
+        outer.__enter__()
+        inner.__enter__()
+        y = x * 2
+        try:
+            outer.__exit__(None, None, None)          # before the inner block it opened later
+        finally:
+            with contextlib.suppress(df.TraceError):
+                inner.__exit__(None, None, None)
+        return y
+
+    with pytest.raises(df.TraceError, match="must nest.*`with` statement"):
+        df.trace(interleaved, torch.randn(3))
+
+
+def test_a_pass_or_rule_that_leaves_out_an_abstract_method_cannot_be_made():
+    class NoDescription(T.Pass):
+        def apply(self, program):
+            return program
+
+    class NoMatch(T.Rule):
+        pass
+
+    with pytest.raises(TypeError, match="describe"):
+        NoDescription()
+    with pytest.raises(TypeError, match="match"):
+        NoMatch()
+
+
+def test_an_in_place_op_left_in_a_program_is_a_transform_error_naming_the_node():
+    class WriteInPlace(T.Pass):
+        """Wrong: turns the first `relu` into `relu_`, which writes an intermediate in place."""
+
+        def describe(self):
+            return "write_in_place"
+
+        def apply(self, program):
+            graph_module, _ = copy_graph_module(program.graph_module)
+            node = next(n for n in graph_module.graph.nodes if n.target is torch.ops.aten.relu.default)
+            node.target = torch.ops.aten.relu_.default
+            graph_module.recompile()
+            return T.record(program, program.with_graph(graph_module), self)
+
+    program = T.apply_transform(df.trace(lambda x: (x * 2).relu() + 1, torch.randn(3)), WriteInPlace())
+    with pytest.raises(df.TransformError, match=r"relu = aten.relu_\(...\) writes mul in place.*functional op"):
+        df.lower(program)

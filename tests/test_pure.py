@@ -47,5 +47,5 @@ def test_missing_param_is_an_error():
 
 
 def test_pure_rejects_non_modules():
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(df.InputError, match="nn.Module"):
         df.pure(lambda x: x)

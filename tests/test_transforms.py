@@ -281,7 +281,7 @@ def test_invalid_schedules_fail_before_anything_runs(mode, match):
 
 
 def test_unknown_strategy_is_an_error():
-    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+    with pytest.raises(df.InputError, match="unknown strategy 'fast'"):
         T.overlap(strategy="fast")
 
 

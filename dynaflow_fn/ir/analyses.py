@@ -21,9 +21,5 @@ def setup_nodes(program: Program) -> set[fx.Node]:
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """Drop nodes nobody uses, keeping mutations (the `copy_` write-backs into inputs)."""
     for node in reversed(list(graph.nodes)):
-        if node.op not in ("call_function", "get_attr") or node.users:
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            continue
-        graph.erase_node(node)
+        if node.op in ("call_function", "get_attr") and not node.users and not ops.is_mutating(node.target):
+            graph.erase_node(node)

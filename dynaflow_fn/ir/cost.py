@@ -53,11 +53,10 @@ class Cost:
 
 ZERO = Cost(0.0, 0.0, 0.0, "view")
 
-_MATMULS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-}
-_ATTENTION_PREFIX = "_scaled_dot_product"
+_MATMULS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+_MATMULS_WITH_BIAS = frozenset({"aten.addmm", "aten.baddbmm"})     # the bias comes first, then the factors
+_ATTENTION_PREFIX = "aten._scaled_dot_product"
+_CONVOLUTION = "aten.convolution"
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -72,10 +71,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _matmul_flops(node: fx.Node) -> float:
+def _matmul_flops(node: fx.Node, packet: str) -> float:
     out = node.meta["val"]
     inputs = [a.meta["val"] for a in node.args if isinstance(a, fx.Node)]
-    left = inputs[-2] if node.target in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else inputs[0]
+    left = inputs[-2] if packet in _MATMULS_WITH_BIAS else inputs[0]
     return 2.0 * out.numel() * left.shape[-1]
 
 
@@ -103,13 +102,14 @@ def node_cost(node: fx.Node, roofline: Roofline = H200) -> Cost:
     moved = float(sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs))
     if ops.is_collective(node.target):
         return Cost(0.0, moved, moved / roofline.bandwidth + roofline.launch_seconds, "comm")
-    name = getattr(node.target, "__name__", "")
+    info = ops.op_info(node.target)
+    packet = info.packet if info is not None else ""
     dtype = outputs[0].dtype if outputs else torch.float32
-    if node.target in _MATMULS:
-        flops, rate = _matmul_flops(node), roofline.matmul_rate(dtype)
-    elif name.startswith(_ATTENTION_PREFIX):
+    if packet in _MATMULS:
+        flops, rate = _matmul_flops(node, packet), roofline.matmul_rate(dtype)
+    elif packet.startswith(_ATTENTION_PREFIX):
         flops, rate = _attention_flops(node), roofline.matmul_rate(dtype)
-    elif node.target is torch.ops.aten.convolution.default:
+    elif packet == _CONVOLUTION:
         flops, rate = _conv_flops(node), roofline.matmul_rate(dtype)
     else:
         flops, rate = float(sum(t.numel() for t in outputs)), roofline.vector_flops

@@ -12,16 +12,14 @@ from typing import Any, Callable
 
 from torch import fx
 
-from ..compat import OpOverload
+from .ops import op_info
 
 
 def op_name(target: Any) -> str:
-    """`aten.mm` for default overloads, `aten.add.Tensor` otherwise; Python callables by name."""
-    if isinstance(target, OpOverload):
-        namespace = target.namespace
-        packet = target._schema.name.split("::")[-1]
-        overload = target._overloadname
-        return f"{namespace}.{packet}" if overload == "default" else f"{namespace}.{packet}.{overload}"
+    """`aten.mm` for default overloads, `aten.add.Tensor` otherwise (`OpInfo.name`); Python callables by name."""
+    info = op_info(target)
+    if info is not None:
+        return info.name
     if target is operator.getitem:
         return "getitem"
     return getattr(target, "__name__", str(target))

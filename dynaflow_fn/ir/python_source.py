@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..compat import OpOverload
 from ..errors import TransformError
 from .formatting import format_arg, format_call, op_name
+from .ops import op_info
 from .tree import identifier
 
 if TYPE_CHECKING:
@@ -52,11 +52,12 @@ def python_source(program: Program, header: Sequence[str]) -> str:
 
 def _qualified_op(target: Any) -> str:
     """`torch.ops.aten.add.Tensor`: the overload itself, so the source runs the very kernel the node names."""
-    if not isinstance(target, OpOverload):
+    info = op_info(target)
+    if info is None:
         raise TransformError(f"Program.python writes aten ops only, and this program calls {op_name(target)}, a "
                              f"Python callable (a pass compiled it). Write the source of the program before "
                              f"that pass runs.")
-    return f"torch.ops.{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return info.path
 
 
 def _python_literal(value: Any) -> str:

@@ -20,8 +20,7 @@ import optree
 import torch
 from torch import fx
 
-from ..compat import OpOverload
-from ..errors import InternalError
+from ..errors import InternalError, TransformError
 from ..ir import ops
 from ..ir.analyses import setup_nodes
 from ..ir.formatting import op_name
@@ -29,7 +28,7 @@ from ..ir.program import info
 from ..plan.plan import Layout, Ref, Step, StepKind, StorageKind
 from .draft import PlanDraft, flat_values, new_step, storage_key
 from .out_kernels import out_call_is_faithful
-from .reinplace import inplace_variant, mutated_arguments
+from .reinplace import mutated_arguments
 
 
 def kernels(draft: PlanDraft) -> None:
@@ -68,7 +67,10 @@ def _step_for(draft: PlanDraft, node: fx.Node, at_setup: bool) -> Step:
         return new_step(StepKind.COPY, stream, op, (Ref(dst), args[1]), {}, (dst,), node=node.name,
                         note="input mutation write-back")
     if ops.is_mutating(op):
-        raise NotImplementedError(f"in-place op {op} on a non-input in the functional graph ({node.name})")
+        raise TransformError(f"{node.name} = {op_name(op)}(...) writes {node.args[0]} in place, which is no program "
+                             f"input; lowering takes functional programs, whose only writes are the copy_ into an "
+                             f"input that tracing leaves for an input mutation. A pass that rewrote the program made "
+                             f"this node: have it emit the functional op instead")
     if node in draft.inplace and not at_setup:
         return _inplace_step(draft, node, stream, args, kwargs)
     if ops.is_collective_wait(op):
@@ -92,7 +94,7 @@ def _computed_step(draft: PlanDraft, node: fx.Node, at_setup: bool, stream: int,
         outputs = tuple(draft.slot_for_value(node, i, v, False) for i, v in tensors)
         return new_step(StepKind.VIEW, stream, op, args, kwargs, outputs, node=node.name,
                         result_indices=result_indices)
-    variant = None if at_setup else ops.out_variant(op) if isinstance(op, OpOverload) else None
+    variant = None if at_setup else ops.out_variant(op)
     if (variant is not None and variant.direct and len(fresh) == len(values)
             and all(_is_whole_storage(v) for _, v in fresh) and out_call_is_faithful(node, variant)):
         outputs = tuple(draft.slot_for_value(node, i, v, True, StorageKind.ARENA) for i, v in tensors)
@@ -123,7 +125,7 @@ def _inplace_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple, kwa
     for index, (slot, value) in enumerate(zip(slots, flat_values(node))):
         draft.storage_of_key[storage_key(value)] = draft.slots[slot].storage
         draft.slot_of[(node, index)] = slot
-    return new_step(StepKind.KERNEL, stream, inplace_variant(node.target), args, kwargs, slots,
+    return new_step(StepKind.KERNEL, stream, ops.inplace_variant(node.target), args, kwargs, slots,
                     node=node.name, note="in place")
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import fx
 
-from ..compat import OpOverload
+from ..errors import KERNEL_ERRORS
 from ..ir import ops
 from ..ir.tree import TensorSpec
 from .draft import flat_values, map_nodes, storage_key
@@ -18,7 +18,7 @@ from .draft import flat_values, map_nodes, storage_key
 
 def allocates(node: fx.Node) -> bool:
     """Whether lowering would allocate the node's result (no direct out= kernel)."""
-    variant = ops.out_variant(node.target) if isinstance(node.target, OpOverload) else None
+    variant = ops.out_variant(node.target)
     return variant is None or not variant.direct
 
 
@@ -77,7 +77,7 @@ def _run_out_call(fake_mode: Any, variant: ops.OutVariant, op: Any, args: tuple,
             outs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in values]
             storages = [(storage_key(o), o.untyped_storage().nbytes()) for o in outs]
             result = variant.op(*pos, **kw, **dict(zip(variant.out_names, outs)))
-    except Exception:
+    except KERNEL_ERRORS:          # the out= kernel refuses these arguments: the op allocates instead
         return False
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     # An out= kernel may resize `out` on the way (mse_loss.out computes the unreduced loss in it first).

@@ -23,7 +23,7 @@ import optree
 import torch
 from torch import fx
 
-from ..compat import OpOverload, StorageWeakRef, has_internal_overlap
+from ..compat import StorageWeakRef, has_internal_overlap
 from ..ir import ops
 from ..ir.tree import TensorSpec
 from ..plan.plan import Layout
@@ -31,39 +31,18 @@ from .draft import PlanDraft
 from .out_kernels import allocates
 
 
-def inplace_variant(op: object) -> OpOverload | None:
-    """`aten.add_.Tensor` for `aten.add.Tensor`, `aten._fused_adamw_` for `aten._fused_adamw`: the overload
-    that writes its results into the arguments it mutates, which must lead its argument list and
-    correspond one to one, in order, to the functional op's results."""
-    if not isinstance(op, OpOverload) or op._schema.is_mutable:
-        return None
-    name = op._schema.name.split("::")[-1]
-    packet = getattr(getattr(torch.ops, op.namespace), name + "_", None)
-    candidate = getattr(packet, op._overloadname, None) if packet is not None else None
-    if candidate is None:
-        return None
-    arguments = candidate._schema.arguments
-    written = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
-    if not written or written != list(range(len(written))) or len(written) != len(op._schema.returns):
-        return None
-    if [(a.name, str(a.type)) for a in arguments] != [(a.name, str(a.type)) for a in op._schema.arguments]:
-        return None
-    return candidate
-
-
 def mutated_arguments(node: fx.Node) -> list[object]:
     """The argument nodes the in-place variant of `node` writes, flattened in the order of its results."""
-    written = sum(1 for a in inplace_variant(node.target)._schema.arguments
-                  if a.alias_info is not None and a.alias_info.is_write)
+    written = sum(1 for a in ops.op_info(ops.inplace_variant(node.target)).arguments if a.written)
     flat: list[object] = []
     for arg in node.args[:written]:
         flat += list(arg) if isinstance(arg, (list, tuple)) else [arg]
     return flat
 
 
-def _storage(node: fx.Node) -> int | None:
+def _storage(node: fx.Node) -> StorageWeakRef | None:
     value = node.meta.get("val")
-    return StorageWeakRef(value.untyped_storage()).cdata if isinstance(value, torch.Tensor) else None
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
 class _Aliases:
@@ -103,9 +82,9 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
         base = next((a for a in node.args if isinstance(a, fx.Node)), None)
         if base is None:
             continue
-        storage = _storage(node)
+        storage, base_storage = _storage(node), _storage(base)
         if ops.is_view(node.target) or (node.target is operator.getitem and ops.is_view(base.target)) or (
-                storage is not None and storage == _storage(base)):
+                storage is not None and base_storage is not None and storage == base_storage):
             aliases.join(node, base)
     position = {node: i for i, node in enumerate(order)}
     last_read: dict[fx.Node, int] = {}
@@ -116,7 +95,7 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
     returned = {aliases.root(node) for node in outputs}
     chosen: set[fx.Node] = set()
     for node in order:
-        if inplace_variant(node.target) is None:
+        if ops.inplace_variant(node.target) is None:
             continue
         selves = mutated_arguments(node)
         values = optree.tree_leaves(node.meta.get("val"), none_is_leaf=True)

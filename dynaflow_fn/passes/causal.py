@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..compat import OpOverload
+from ..errors import KERNEL_ERRORS
 from ..ir import ops
 from ..ir.analyses import eliminate_dead_code, setup_nodes
 from ..ir.program import Program, copy_graph_module
@@ -67,9 +67,10 @@ class CausalKernelPass(Pass):
 
 def _mask_argument(op: Any) -> str | None:
     """The name of an attention op's mask argument, if it also takes `is_causal`."""
-    if not isinstance(op, OpOverload) or "scaled_dot_product" not in op._schema.name:
+    info = ops.op_info(op)
+    if info is None or "scaled_dot_product" not in info.packet:
         return None
-    names = {argument.name for argument in op._schema.arguments}
+    names = {argument.name for argument in info.arguments}
     return next((name for name in MASK_ARGUMENTS if name in names), None) if "is_causal" in names else None
 
 
@@ -83,7 +84,7 @@ def _value_or_none(node: fx.Node, graph_module: fx.GraphModule) -> Any:
     program up, so a mask it cannot compute stays as traced and is computed at setup as before."""
     try:
         return _evaluate(node, graph_module, {})
-    except Exception:                      # any failure means: not provably causal
+    except KERNEL_ERRORS:                  # the mask's ops cannot run ahead of time: not provably causal
         return None
 
 

@@ -91,7 +91,7 @@ class InductorPass(Pass):
         try:
             with torch.no_grad():
                 return compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
-        except Exception as error:
+        except Exception as error:     # only Inductor runs here; its failures (asserts too) fall back to aten
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
                           f"({type(error).__name__}: {first_line})")
@@ -149,7 +149,7 @@ def _compilable(node: fx.Node, setup: set[fx.Node]) -> bool:
 def _returns_tensor_lists(op: OpOverload) -> bool:
     """Multi-tensor ops (`_foreach_*`, `_fused_adamw`): optimizer updates, which lowering runs in place
     on donated parameters and state. Inside a compiled run they would write new tensors, copied back."""
-    return any(str(r.type) == "List[Tensor]" and r.alias_info is None for r in op._schema.returns)
+    return any(r.type == "List[Tensor]" and not r.aliased for r in ops.op_info(op).returns)
 
 
 # --- extracting and replacing a run ----------------------------------------------------------------
@@ -227,7 +227,7 @@ def _structure(graph: fx.Graph) -> tuple:
     """The graph's computation with node names replaced by positions: equal for every layer's copy."""
     position = {node: index for index, node in enumerate(graph.nodes)}
     rename = lambda arg: fx.node.map_arg(arg, lambda node: position[node])
-    return tuple((node.op, str(node.target), repr(rename(node.args)), repr(rename(node.kwargs)))
+    return tuple((node.op, node.target, repr(rename(node.args)), repr(rename(node.kwargs)))
                  for node in graph.nodes)
 
 

@@ -14,6 +14,8 @@ import optree
 import torch
 
 from ..compat import sm_carveout, sm_carveout_supported
+from ..errors import InternalError
+from ..ir.ops import op_info
 from ..plan.plan import Plan, Ref, Slot, Step, StepKind, StorageKind
 from .collectives import all_reduce_on_current_stream
 
@@ -29,13 +31,14 @@ def view_of(buffer: torch.Tensor, offset: int, slot: Slot) -> torch.Tensor:
     layout = slot.layout
     start = offset + slot.byte_offset
     if start % layout.itemsize:
-        raise AssertionError(f"slot {slot.name} is misaligned at byte {start}")
+        raise InternalError(f"slot {slot.name} is misaligned at byte {start}: memory planning must place every "
+                            f"slot at a multiple of its element size")
     typed = buffer.view(layout.dtype)
     return typed.as_strided(layout.shape, layout.stride, start // layout.itemsize + layout.storage_offset)
 
 
-_RUN_AS = {torch.ops._c10d_functional.all_reduce_.default: all_reduce_on_current_stream}
-"""Plan ops that run through another function with the same effect (see each function)."""
+_RUN_AS = {"_c10d_functional.all_reduce_": all_reduce_on_current_stream}
+"""Plan ops (by `OpInfo.packet`) that run through another function with the same effect (see each function)."""
 
 
 def compile_step(step: Step, carveout: bool = False) -> Callable[[Env], None]:
@@ -64,7 +67,8 @@ def _compile_step(step: Step) -> Callable[[Env], None]:
     leaves, spec = optree.tree_flatten((step.args, step.kwargs), is_leaf=lambda x: isinstance(x, Ref),
                                        none_is_leaf=True)
     refs = [(i, leaf.slot) for i, leaf in enumerate(leaves) if isinstance(leaf, Ref)]
-    op = _RUN_AS.get(step.op, step.op)
+    info = op_info(step.op)
+    op = _RUN_AS.get(info.packet, step.op) if info is not None else step.op
 
     def arguments(env: Env) -> tuple[tuple, dict]:
         values = list(leaves)

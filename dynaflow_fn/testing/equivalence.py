@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 from optree import tree_leaves
 
+from ..errors import EquivalenceError
 from ..jitting.jitted import jit
 from ..transforms.base import Transformed
 from ..transforms.microbatching import MicrobatchPass
@@ -69,7 +70,7 @@ def aten_kernels_for(args: tuple, kwargs: dict) -> str:
 
 def _fail_if(problem: str | None, where: str, what: str) -> None:
     if problem is not None:
-        raise AssertionError(f"{what}: {problem}; in {where}")
+        raise EquivalenceError(f"{what}: {problem}; in {where}")
 
 
 def _draw_rows(args: tuple, kwargs: dict, axes: list[int | None] | None, num: int, draws: int) -> list[int | None]:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ..errors import ScheduleError
+from ..errors import EquivalenceError, ScheduleError
 from ..ir.program import Program, info
 from ..jitting.jitted import jit
 from ..lowering.lower import lower
@@ -76,15 +76,15 @@ def _check_one(make: Callable[[], Scheduler], recipe: Recipe, num: int, values: 
     again = trace(_scheduled(fn, make(), num, inputs), *args)
     difference = _first_placement_difference(program, again)
     if difference is not None:
-        raise AssertionError(f"{program.provenance[-1]} is not deterministic: planning the same program twice "
-                             f"placed {difference}. Every rank of a job must build the same plan: derive every "
-                             f"choice from the StageGraph (seed any randomness, iterate sorted){context}")
+        raise EquivalenceError(f"{program.provenance[-1]} is not deterministic: planning the same program twice "
+                               f"placed {difference}. Every rank of a job must build the same plan: derive every "
+                               f"choice from the StageGraph (seed any randomness, iterate sorted){context}")
     kernels = aten_kernels_for(tuple(args), {})
     got = jit(_scheduled(fn, make(), num, inputs), backend=kernels)(*args)
     expected = jit(_scheduled(fn, "sequential", num, inputs), backend=kernels)(*args)
     problem = first_difference(got, expected, exact=True)
     if problem is not None:
-        raise AssertionError(f"the scheduled plan differs from the sequential one: {problem}{context}")
+        raise EquivalenceError(f"the scheduled plan differs from the sequential one: {problem}{context}")
 
 
 def _scheduled(fn: Callable[..., Any], strategy: "Scheduler | str | None", num: int, inputs: int) -> Any:

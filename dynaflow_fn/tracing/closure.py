@@ -21,11 +21,16 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 
-from ..ir import tree
+from ..ir import ops, tree
 from ..ir.program import Captured
 
-_LIFT_FRESH = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
+_LIFT_FRESH = frozenset({"aten.lift_fresh_copy", "aten.lift_fresh"})
 
+
+
+def _is_lift_fresh(target: object) -> bool:
+    info = ops.op_info(target)
+    return info is not None and info.packet in _LIFT_FRESH
 
 def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple[Captured, ...]:
     """Turn the graph's constants that hold caller tensors into placeholders after the existing ones,
@@ -36,7 +41,7 @@ def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple
         if node.op != "get_attr":
             continue
         value = getattr(graph_module, node.target)
-        if isinstance(value, torch.Tensor) and not all(user.target in _LIFT_FRESH for user in node.users):
+        if isinstance(value, torch.Tensor) and not all(_is_lift_fresh(user.target) for user in node.users):
             lifted.setdefault(id(value), (value, []))[1].append(node)
     if not lifted:
         return ()

@@ -29,10 +29,9 @@ class _RecordedFlag:
     def __get__(self, module: torch.nn.Module | None, owner: type) -> object:
         if module is None:
             return self
-        try:
-            value = module.__dict__["training"]
-        except KeyError:
-            raise AttributeError(f"'{type(module).__name__}' object has no attribute 'training'") from None
+        if "training" not in module.__dict__:      # not set yet: what the lookup would find without this flag
+            return type(module).__getattr__(module, "training")
+        value = module.__dict__["training"]
         reads = getattr(_local, "reads", None)
         if reads is not None:
             reads.setdefault(id(module), (module, value))

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 from torch.nn.modules import module as nn_module
 
+from ..errors import InputError, TraceError
 from ..ir.scopes import Scope, ScopeKind
 
 def last_node(graph: fx.Graph) -> fx.Node | None:
@@ -58,7 +59,8 @@ class ScopeRecorder:
     def close(self, scope: Scope) -> None:
         opened, start = self._open.pop()
         if opened is not scope:
-            raise RuntimeError(f"scope {scope} closed while {opened} is still open")
+            raise TraceError(f"scope {scope} closed while {opened} is still open: df.region blocks and module calls "
+                             f"must nest. Enter each df.region with a `with` statement, so it closes where it opens")
         for node in nodes_after(self.graph, start):
             self.scopes_of.setdefault(node, []).append(scope)
 
@@ -152,7 +154,7 @@ def region(name: str) -> Iterator[None]:
     Outside a trace it does nothing, so the model still runs in eager PyTorch unchanged.
     """
     if not isinstance(name, str) or not name:
-        raise TypeError(f"df.region needs a non-empty string name, got {name!r}")
+        raise InputError(f"df.region needs a non-empty string name, got {name!r}")
     recorder = active_recorder()
     if recorder is None:
         yield

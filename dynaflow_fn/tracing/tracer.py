@@ -27,8 +27,8 @@ from ..compat import (
     DynamicOutputShapeException,
     FakeTensorModeWithFallback,
     UnsupportedOperatorException,
+    current_trace_graph,
     fx_tracing_flag_cleared,
-    get_proxy_mode,
     make_fx,
     quiet_meta_failures,
 )
@@ -151,7 +151,7 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
         for position, tensor in zip(tensor_positions, tensors):
             full[position] = tensor
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
-        recorder = ScopeRecorder(get_proxy_mode().tracer.graph)
+        recorder = ScopeRecorder(current_trace_graph())
         captured["recorder"] = recorder
         with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
             result = body(*call_args, **call_kwargs)
@@ -228,7 +228,7 @@ class _ScopeCarrier(fx.Interpreter):
         self.carried: dict[fx.Node, tuple] = {}
 
     def run_node(self, node: fx.Node) -> Any:
-        graph = get_proxy_mode().tracer.graph
+        graph = current_trace_graph()
         start = last_node(graph)
         result = super().run_node(node)
         for new in nodes_after(graph, start):

@@ -13,17 +13,18 @@ compose: `T.compose(T.microbatch(num=2, in_axes=(None, 0)), T.overlap(strategy="
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
-from ..errors import TransformError
+from ..errors import InputError, TransformError
 from ..ir.program import Program
 from ..ir.tree import Flat
 from ..tracing.tracer import trace_function
 
 
-class Pass:
+class Pass(abc.ABC):
     """A Program -> Program rewrite. `describe()` is the provenance line printed with the program.
 
     `changes_values` is True for a pass whose Program computes something the function's code does
@@ -32,11 +33,13 @@ class Pass:
 
     changes_values = False
 
+    @abc.abstractmethod
     def apply(self, program: Program) -> Program:
-        raise NotImplementedError
+        """The rewritten program, a new one: `program` itself stays as it is."""
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """The pass as one line of the program's provenance, like the call that made it: `microbatch(num=2)`."""
 
     def wrap_body(self, body: Callable[..., Any]) -> Callable[..., Any] | None:
         """Passes that change what gets traced (microbatch) return the new body; the others None."""
@@ -117,7 +120,7 @@ def apply_transform(target: Any, p: Pass) -> Any:
         return Transformed(target.fn, target.passes + (p,))
     if callable(target):
         return Transformed(target, (p,))
-    raise TypeError(f"transforms take a function or a Program, got {type(target).__qualname__}")
+    raise InputError(f"transforms take a function or a Program, got {type(target).__qualname__}")
 
 
 def compose(*transforms: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -128,7 +131,7 @@ def compose(*transforms: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """
     for t in transforms:
         if not callable(t):
-            raise TypeError(f"compose takes transforms (call them without a function first), got {t!r}")
+            raise InputError(f"compose takes transforms (call them without a function first), got {t!r}")
 
     def composed(target: Any) -> Any:
         for t in transforms:

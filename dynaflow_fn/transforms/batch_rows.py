@@ -28,6 +28,7 @@ from typing import Any
 from torch import fx
 
 from ..compat import OpOverload
+from ..errors import InternalError
 from ..ir import ops
 from .row_rules import reads_only_shapes, rule_for
 from .row_states import UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, each_result, record_finding
@@ -39,7 +40,7 @@ def follow_rows(graph: fx.Graph, split_axes: dict[str, int], rows: int) -> RowFl
     `rows` is the size of the micro-batch, at least 2 (with one row every axis of size 1 could be it).
     """
     if rows < 2:
-        raise ValueError("follow_rows needs micro-batches of at least two rows")
+        raise InternalError(f"follow_rows needs micro-batches of at least two rows, got {rows}")
     flow = RowFlow({}, [])
     for node in graph.nodes:
         if node.op == "placeholder":

@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..compat import resolve_process_group
-from ..errors import DistributedError
+from ..errors import DistributedError, InputError
 
 
 def resolve_group(group: Any) -> Any:
@@ -33,7 +33,7 @@ def comm_group(max_ctas: int, group: Any = None) -> Any:
     """
     group = resolve_group(group)
     if max_ctas < 1:
-        raise ValueError(f"max_ctas must be at least 1, got {max_ctas}")
+        raise InputError(f"max_ctas must be at least 1, got {max_ctas}")
     ranks = tuple(dist.get_process_group_ranks(group))
     key = (ranks, max_ctas)
     if key not in _comm_groups:

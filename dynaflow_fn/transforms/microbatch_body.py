@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from ..compat import outside_current_trace
+from ..errors import TraceError
 from ..ir.program import Program
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
@@ -131,7 +132,7 @@ def _trace_aside(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequ
     try:
         with outside_current_trace():
             return trace_function(body, args, kwargs)
-    except Exception:         # not studied: see the module docstring
+    except TraceError:        # not studied: see the module docstring
         return None
     finally:
         _aside.active = was_studying

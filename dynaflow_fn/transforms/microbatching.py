@@ -74,8 +74,8 @@ class MicrobatchPass(Pass):
         the module of a `df.pure` function, which changes what the body computes."""
         module = getattr(body, "__dynaflow_module__", None)
         modes = tuple(m.training for m in module.modules()) if module is not None else ()
+        key = (body, tree, tuple(map(leaf_key, leaves)), tuple(axes), rows, modes)
         try:
-            key = (body, tree, tuple(map(leaf_key, leaves)), tuple(axes), rows, modes)
             hash(key)
         except TypeError:        # an unhashable leaf: tracing will refuse it; nothing to cache
             return study_body(body, tree, leaves, paths, axes, rows)

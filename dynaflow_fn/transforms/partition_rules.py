@@ -7,6 +7,7 @@ that matches nothing explains why (`unmatched_hint`), from what the program has 
 
 from __future__ import annotations
 
+import abc
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from ..ir.scopes import Scope
 
 
 @dataclass(frozen=True)
-class Rule:
+class Rule(abc.ABC):
     """Base of partition rules. `tags` label the stages a rule makes; `merge` joins all its matches."""
 
     tags: frozenset[str] = field(default=frozenset(), kw_only=True)
@@ -34,9 +35,9 @@ class Rule:
                              f"got {self.tags!r}")
         object.__setattr__(self, "tags", frozenset(self.tags))
 
+    @abc.abstractmethod
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
         """None if the node does not match; else a key naming the match instance it belongs to."""
-        raise NotImplementedError
 
     def unmatched_hint(self, program: Program) -> str:
         """Why the rule may have matched no node of `program`, and what the program has instead."""

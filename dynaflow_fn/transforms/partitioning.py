@@ -19,7 +19,6 @@ from torch import fx
 
 from ..errors import InputError, TransformError, warn
 from ..ir import cost, ops
-from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
 from .base import Pass, apply_transform, record
 from .partition_rules import Rule
@@ -129,7 +128,7 @@ def _next_run(runs: dict[Any, int], mb: Any) -> int:
 
 def _waited_collective(node: fx.Node, collective_stage: dict[fx.Node, tuple]) -> tuple | None:
     """A collective's wait joins the collective's stage, so the pair is scheduled as one unit."""
-    if ops.is_collective(node.target) and "wait" in op_name(node.target):
+    if ops.is_collective_wait(node.target):
         for source in node.all_input_nodes:
             if source in collective_stage:
                 return collective_stage[source]

@@ -1,8 +1,9 @@
 """The per-op rules of `batch_rows`: how each aten op moves, keeps or mixes the rows of the batch.
 
 A rule maps a `RuleCall` (an op whose inputs carry rows) to the state of its result. Ops are found
-by packet name (`aten::mm`) in `_RULES`; ops without an entry fall back to the pointwise rule when
-torch tags them pointwise and to the reduction rule when it tags them a reduction (`rule_for`).
+by their packet (`aten.mm`, `OpInfo.packet`) in `_RULES`; ops without an entry fall back to the
+pointwise rule when torch tags them pointwise and to the reduction rule when it tags them a
+reduction (`rule_for`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import torch
 from torch import fx
 
 from ..compat import OpOverload
-from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State, packet
+from ..ir.ops import op_info
+from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State
 
 
 def rule_for(op: OpOverload) -> Callable[[RuleCall], State] | None:
     """The rule of `op`, or None when the analysis does not model it."""
-    rule = _RULES.get(packet(op))
-    if rule is None and torch.Tag.pointwise in op.tags:
+    info = op_info(op)
+    rule = _RULES.get(info.packet)
+    if rule is None and torch.Tag.pointwise in info.tags:
         return _pointwise
     if rule is None and _is_reduction(op):
         return _reduction
@@ -29,12 +32,12 @@ def rule_for(op: OpOverload) -> Callable[[RuleCall], State] | None:
 
 def reads_only_shapes(op: OpOverload) -> bool:
     """Whether `op` reads only the shapes, dtypes and devices of its tensor arguments (`zeros_like`)."""
-    return packet(op) in _SHAPE_ONLY
+    return op_info(op).packet in _SHAPE_ONLY
 
 
 def _is_reduction(op: OpOverload) -> bool:
     tag = getattr(torch.Tag, "reduction", None)
-    return tag is not None and tag in op.tags
+    return tag is not None and tag in op_info(op).tags
 
 
 def _value(node: fx.Node) -> Any:
@@ -292,7 +295,8 @@ def _batch_norm(call: RuleCall) -> State:
     state = _only_input_at(call, "input", range(call.rank(call.bound["input"])))
     if state is None:
         return call.result(UNKNOWN)
-    training = call.bound.get("training", packet(call.node.target) != "aten::_native_batch_norm_legit_no_training")
+    default = op_info(call.node.target).packet != "aten._native_batch_norm_legit_no_training"
+    training = call.bound.get("training", default)
     if training and state.axis != 1:
         return call.report("is batch norm in train mode: it normalizes with the mean and variance of the batch, "
                            "so every row reads the other rows")
@@ -329,43 +333,43 @@ def _same_as(name: str) -> Callable[[RuleCall], State]:
 
 
 _SHAPE_ONLY = frozenset({
-    "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::rand_like",
-    "aten::randn_like", "aten::randint_like", "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros",
-    "aten::new_ones", "aten::new_full",
+    "aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.rand_like",
+    "aten.randn_like", "aten.randint_like", "aten.new_empty", "aten.new_empty_strided", "aten.new_zeros",
+    "aten.new_ones", "aten.new_full",
 })
 """Ops that read only the shape, dtype and device of their tensor arguments, never their values."""
 
 _RULES: dict[str, Callable[[RuleCall], State]] = {
-    "aten::_to_copy": _same_as("self"), "aten::detach": _same_as("self"), "aten::alias": _same_as("self"),
-    "aten::lift_fresh_copy": _same_as("self"), "aten::native_dropout": _same_as("input"),
-    "aten::copy": _copy,
-    "_c10d_functional::all_reduce": _same_as("input"), "_c10d_functional::wait_tensor": _same_as("tensor"),
-    "aten::view": _view, "aten::_unsafe_view": _view, "aten::reshape": _view, "aten::squeeze": _view,
-    "aten::unsqueeze": _view, "aten::flatten": _view, "aten::unflatten": _view,
-    "aten::expand": _expand, "aten::permute": _permute, "aten::transpose": _transpose, "aten::t": _t,
-    "aten::select": _select, "aten::slice": _slice,
-    "aten::cat": _cat, "aten::stack": _stack,
-    "aten::split": _split, "aten::split_with_sizes": _split, "aten::unsafe_split": _split,
-    "aten::unsafe_split_with_sizes": _split, "aten::chunk": _split, "aten::unbind": _unbind,
-    "aten::_softmax": _along_dim, "aten::_log_softmax": _along_dim, "aten::_softmax_backward_data": _along_dim,
-    "aten::_log_softmax_backward_data": _along_dim, "aten::cumsum": _along_dim, "aten::cumprod": _along_dim,
-    "aten::logcumsumexp": _along_dim, "aten::sort": _along_dim,
-    "aten::mse_loss": _loss, "aten::l1_loss": _loss, "aten::smooth_l1_loss": _loss, "aten::huber_loss": _loss,
-    "aten::soft_margin_loss": _loss, "aten::binary_cross_entropy": _loss,
-    "aten::binary_cross_entropy_with_logits": _loss,
-    "aten::mse_loss_backward": _pointwise, "aten::smooth_l1_loss_backward": _pointwise,
-    "aten::huber_loss_backward": _pointwise, "aten::soft_margin_loss_backward": _pointwise,
-    "aten::binary_cross_entropy_backward": _pointwise,
-    "aten::mm": _mm, "aten::addmm": _addmm, "aten::bmm": _bmm, "aten::baddbmm": _baddbmm,
-    "aten::embedding": _embedding, "aten::embedding_dense_backward": _embedding_backward,
-    "aten::convolution": _convolution,
-    "aten::native_layer_norm": _layer_norm, "aten::native_group_norm": _group_norm,
-    "aten::native_batch_norm": _batch_norm, "aten::_native_batch_norm_legit": _batch_norm,
-    "aten::_native_batch_norm_legit_functional": _batch_norm, "aten::_native_batch_norm_legit_no_training": _batch_norm,
-    "aten::cudnn_batch_norm": _batch_norm, "aten::miopen_batch_norm": _batch_norm,
-    "aten::_scaled_dot_product_flash_attention_for_cpu": _attention,
-    "aten::_scaled_dot_product_flash_attention": _attention,
-    "aten::_scaled_dot_product_efficient_attention": _attention,
-    "aten::_scaled_dot_product_cudnn_attention": _attention,
-    "aten::_scaled_dot_product_attention_math": _attention,
+    "aten._to_copy": _same_as("self"), "aten.detach": _same_as("self"), "aten.alias": _same_as("self"),
+    "aten.lift_fresh_copy": _same_as("self"), "aten.native_dropout": _same_as("input"),
+    "aten.copy": _copy,
+    "_c10d_functional.all_reduce": _same_as("input"), "_c10d_functional.wait_tensor": _same_as("tensor"),
+    "aten.view": _view, "aten._unsafe_view": _view, "aten.reshape": _view, "aten.squeeze": _view,
+    "aten.unsqueeze": _view, "aten.flatten": _view, "aten.unflatten": _view,
+    "aten.expand": _expand, "aten.permute": _permute, "aten.transpose": _transpose, "aten.t": _t,
+    "aten.select": _select, "aten.slice": _slice,
+    "aten.cat": _cat, "aten.stack": _stack,
+    "aten.split": _split, "aten.split_with_sizes": _split, "aten.unsafe_split": _split,
+    "aten.unsafe_split_with_sizes": _split, "aten.chunk": _split, "aten.unbind": _unbind,
+    "aten._softmax": _along_dim, "aten._log_softmax": _along_dim, "aten._softmax_backward_data": _along_dim,
+    "aten._log_softmax_backward_data": _along_dim, "aten.cumsum": _along_dim, "aten.cumprod": _along_dim,
+    "aten.logcumsumexp": _along_dim, "aten.sort": _along_dim,
+    "aten.mse_loss": _loss, "aten.l1_loss": _loss, "aten.smooth_l1_loss": _loss, "aten.huber_loss": _loss,
+    "aten.soft_margin_loss": _loss, "aten.binary_cross_entropy": _loss,
+    "aten.binary_cross_entropy_with_logits": _loss,
+    "aten.mse_loss_backward": _pointwise, "aten.smooth_l1_loss_backward": _pointwise,
+    "aten.huber_loss_backward": _pointwise, "aten.soft_margin_loss_backward": _pointwise,
+    "aten.binary_cross_entropy_backward": _pointwise,
+    "aten.mm": _mm, "aten.addmm": _addmm, "aten.bmm": _bmm, "aten.baddbmm": _baddbmm,
+    "aten.embedding": _embedding, "aten.embedding_dense_backward": _embedding_backward,
+    "aten.convolution": _convolution,
+    "aten.native_layer_norm": _layer_norm, "aten.native_group_norm": _group_norm,
+    "aten.native_batch_norm": _batch_norm, "aten._native_batch_norm_legit": _batch_norm,
+    "aten._native_batch_norm_legit_functional": _batch_norm, "aten._native_batch_norm_legit_no_training": _batch_norm,
+    "aten.cudnn_batch_norm": _batch_norm, "aten.miopen_batch_norm": _batch_norm,
+    "aten._scaled_dot_product_flash_attention_for_cpu": _attention,
+    "aten._scaled_dot_product_flash_attention": _attention,
+    "aten._scaled_dot_product_efficient_attention": _attention,
+    "aten._scaled_dot_product_cudnn_attention": _attention,
+    "aten._scaled_dot_product_attention_math": _attention,
 }

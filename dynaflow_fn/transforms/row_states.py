@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..compat import OpOverload
 from ..ir.formatting import op_name
 from ..ir.program import info
 
@@ -119,11 +118,6 @@ def record_finding(node: fx.Node, flow: RowFlow, reason: str) -> State:
 
 def _value(node: fx.Node) -> Any:
     return node.meta["val"]
-
-
-def packet(op: OpOverload) -> str:
-    """`aten::add` for `aten.add.Tensor`."""
-    return op.name().split(".")[0]
 
 
 def each_result(node: fx.Node, state: State) -> State:

@@ -312,4 +312,4 @@ def resolve(strategy: "str | Scheduler") -> Scheduler:
         raise InputError(f"strategy takes a name ({', '.join(STRATEGIES)}) or a df.Scheduler, got {strategy!r}")
     if strategy in STRATEGIES:
         return STRATEGIES[strategy]()
-    raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or pass a df.Scheduler")
+    raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or pass a df.Scheduler")

@@ -16,6 +16,7 @@ from torch import fx
 
 from ..errors import TransformError
 from ..ir import ops
+from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info, type_str
 from ..ir.scopes import Scope
 from ..ir.tree import TensorSpec
@@ -180,7 +181,7 @@ def _fresh_attribute(graph_module: fx.GraphModule, name: str) -> str:
 
 
 def _format_target(node: fx.Node) -> str:
-    return f"{node.name} ({getattr(node.target, '__name__', node.target)})"
+    return f"{node.name} ({op_name(node.target)})"
 
 
 def _listing(nodes: Sequence[fx.Node]) -> str:

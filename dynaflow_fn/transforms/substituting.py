@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 import optree
 import torch
 
-from ..compat import get_proxy_mode
+from ..compat import current_trace_graph
 from ..errors import InputError, TransformError
 from ..ir import ops
 from ..ir.program import NodeInfo, Program, copy_graph_module, info
@@ -221,7 +221,7 @@ def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], 
         if recorder is None:                       # the transformed function called eagerly
             return impl(module, *args, **kwargs)
         expected = _traced_and_dropped(original, args, kwargs)
-        graph = get_proxy_mode().tracer.graph
+        graph = current_trace_graph()
         start = last_node(graph)
         with recorder.scope("substitution", str(rule)):
             result = impl(module, *args, **kwargs)
@@ -236,7 +236,7 @@ def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], 
 
 def _traced_and_dropped(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """What the original forward returns, traced for its layout only: its nodes leave the graph."""
-    graph = get_proxy_mode().tracer.graph
+    graph = current_trace_graph()
     start = last_node(graph)
     expected = original(*args, **kwargs)
     for node in reversed(nodes_after(graph, start)):

@@ -120,3 +120,54 @@ def test_only_pure_deterministic_local_ops_can_be_precomputed():
     assert not ops.is_pure(aten.native_dropout.default)
     assert not ops.is_pure(aten.add_.Tensor)
     assert not ops.is_mutating(len) and not ops.is_view(len) and not ops.is_random(len)
+
+
+def test_op_info_is_read_once_per_overload_and_none_for_other_targets():
+    assert ops.op_info(aten.mm.default) is ops.op_info(aten.mm.default)
+    assert ops.op_info(len) is None and ops.op_info("placeholder_name") is None
+
+
+def test_op_info_names_are_the_printed_names_and_the_path_evaluates_to_the_overload():
+    assert ops.op_info(aten.mm.default).name == "aten.mm"
+    assert ops.op_info(aten.add.Tensor).name == "aten.add.Tensor"
+    assert ops.op_info(c10d.all_reduce.default).name == "_c10d_functional.all_reduce"
+    assert ops.op_info(aten.add.Tensor).packet == "aten.add"
+    for op in OVERLOADS + [c10d.all_reduce.default, c10d.wait_tensor.default]:
+        info = ops.op_info(op)
+        assert info.name == str(op).removesuffix(".default"), op          # torch's own spelling, less ".default"
+        assert eval(info.path, {"torch": torch}) is op, op
+
+
+def test_op_info_arguments_and_results_are_the_schema_as_plain_data():
+    for op in OVERLOADS:
+        info, schema = ops.op_info(op), op._schema
+        for plain, argument in zip(info.arguments + info.returns, list(schema.arguments) + list(schema.returns)):
+            alias = argument.alias_info
+            assert (plain.name, plain.type, plain.kwarg_only, plain.is_out) == (
+                argument.name, str(argument.type), argument.kwarg_only, argument.is_out), op
+            assert plain.aliased == (alias is not None) and plain.written == (alias is not None and alias.is_write), op
+        assert len(info.arguments) == len(schema.arguments) and len(info.returns) == len(schema.returns), op
+    written = ops.op_info(aten.add_.Tensor)
+    assert written.is_mutable and written.arguments[0].written and written.returns[0].aliased
+
+
+def _op_table_keys():
+    """Every op table of the package, keyed by `OpInfo.packet`."""
+    from dynaflow_fn.ir import cost
+    from dynaflow_fn.runtime import interpreter
+    from dynaflow_fn.tracing import closure
+    from dynaflow_fn.transforms import row_rules
+
+    return {"row_rules._RULES": set(row_rules._RULES), "row_rules._SHAPE_ONLY": set(row_rules._SHAPE_ONLY),
+            "cost._MATMULS": set(cost._MATMULS), "cost._MATMULS_WITH_BIAS": set(cost._MATMULS_WITH_BIAS),
+            "ops._VETTED_OUT_KERNELS": set(ops._VETTED_OUT_KERNELS), "closure._LIFT_FRESH": set(closure._LIFT_FRESH),
+            "interpreter._RUN_AS": set(interpreter._RUN_AS), "cost._CONVOLUTION": {cost._CONVOLUTION}}
+
+
+@pytest.mark.parametrize("table", sorted(_op_table_keys()))
+def test_every_op_table_key_is_the_packet_of_an_operator(table):
+    """A table keyed by a misspelt name would silently never match: every key names a real operator."""
+    for key in _op_table_keys()[table]:
+        namespace, name = key.split(".", 1)
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        assert packet is not None and ops.op_info(getattr(packet, packet.overloads()[0])).packet == key, key

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import dynaflow_fn as df
 from dynaflow_fn.ir import ops
-from dynaflow_fn.lowering.reinplace import inplace_variant
+from dynaflow_fn.ir.ops import inplace_variant
 from dynaflow_fn.plan.plan import StepKind
 from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled
 

@@ -93,7 +93,7 @@ def test_outside_a_trace_a_region_changes_nothing():
 
 @pytest.mark.parametrize("name", ["", None, 3])
 def test_a_region_needs_a_non_empty_string_name(name):
-    with pytest.raises(TypeError, match="non-empty string"):
+    with pytest.raises(df.InputError, match="non-empty string"):
         with df.region(name):
             pass
 

@@ -120,7 +120,7 @@ def test_strategies_resolve_by_name_class_or_instance():
         assert type(resolve(scheduler_type)) is scheduler_type
     custom = T.RoundRobin(compute_streams=1)
     assert resolve(custom) is custom
-    with pytest.raises(ValueError, match="unknown strategy"):
+    with pytest.raises(df.InputError, match="unknown strategy"):
         resolve("fastest")
     with pytest.raises(df.InputError):
         resolve(3)

@@ -4,7 +4,8 @@ dynaflow_fn supports every PyTorch from 2.11 to the newest release. Private name
 releases (2.14 made the fx-tracing flag thread-local, for one), so no other module touches them:
 each entry below says what it is for, uses the public API where one exists, and falls back to
 something correct (if slower or less precise) when the internal is missing. tests/test_compat.py
-runs every entry, and every fallback.
+runs every entry, and every fallback. Tracing on fake tensors lives in `compat.tracing`, operator
+and storage facts in `compat.operators`; every entry is imported from `dynaflow_fn.compat`.
 """
 
 from __future__ import annotations
@@ -17,132 +18,31 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx
 
-from .errors import MetaKernelRejection
+from ..errors import BackwardError, InputError
+from .operators import OpOverload, StorageWeakRef, has_internal_overlap, has_kernel_for, op_schema
+from .tracing import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    FakeTensorModeWithFallback,
+    UnsupportedOperatorException,
+    current_trace_graph,
+    fx_tracing_flag_cleared,
+    make_fx,
+    outside_current_trace,
+    quiet_meta_failures,
+)
 
 __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode", "OpOverload", "StorageWeakRef",
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
-    "fx_tracing_flag_cleared", "get_proxy_mode", "has_internal_overlap", "has_kernel_for", "inductor_compiler", "make_fx",
+    "fx_tracing_flag_cleared", "current_trace_graph", "has_internal_overlap", "has_kernel_for", "inductor_compiler",
+    "make_fx", "op_schema",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "outside_current_trace",
 ]
-
-# --- fake tensors and make_fx ---------------------------------------------------------------------
-# No public API traces a function on fake tensors to an aten graph; make_fx and FakeTensorMode are
-# the documented-in-code way torch.export and torch.compile do it, stable across 2.11-2.15.
-
-from torch._subclasses.fake_tensor import (  # noqa: E402
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: E402
-
-
-class FakeTensorModeWithFallback(FakeTensorMode):
-    """A FakeTensorMode in which the real kernel has the last word when a meta kernel rejects its inputs.
-
-    Meta kernels are sometimes stricter than the real ones (in torch 2.13 the meta kernel of
-    `_grouped_mm` rejects float32, which the CPU kernel computes, so transformers' MoE experts did
-    not trace). When a meta kernel raises, the op runs for real on zero-filled tensors of the fake
-    inputs' shapes on their device (FakeTensorMode's own fallback for ops with no meta kernel), and
-    its results' shapes and strides become the fake results. If the real kernel rejects the inputs
-    too (a genuine error, such as mismatched shapes) or cannot run (the meta device), the error is a
-    `MetaKernelRejection` naming the op. Where this torch's FakeTensorMode lacks the hooks, the
-    meta kernel's error stands, as a MetaKernelRejection too.
-    """
-
-    def _dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        try:
-            return super()._dispatch_impl(func, types, args, kwargs)
-        except (MetaKernelRejection, DataDependentOutputException, DynamicOutputShapeException,
-                UnsupportedOperatorException):
-            raise
-        except RuntimeError as rejected:
-            return self._ask_the_real_kernel(func, args, kwargs, rejected)
-
-    def _ask_the_real_kernel(self, func: Any, args: Any, kwargs: Any, rejected: RuntimeError) -> Any:
-        from torch._subclasses import fake_tensor
-        from torch.utils import _pytree
-
-        run_real = getattr(fake_tensor, "run_fallback_kernel", None)
-        can_run = getattr(self, "can_run_unsafe_fallback", None)
-        if run_real is None or can_run is None or not can_run(func) or torch.Tag.inplace_view in func.tags:
-            raise MetaKernelRejection(func, str(rejected), confirmed=False) from rejected
-        flat_args, args_spec = _pytree.tree_flatten((args, kwargs))
-        real_device = all(getattr(a, "fake_device", torch.device("cpu")).type != "meta" for a in flat_args
-                          if isinstance(a, torch.Tensor))
-        try:
-            return run_real(self, func, flat_args, args_spec, rejected)
-        except Exception as real_error:
-            raise MetaKernelRejection(func, str(real_error), confirmed=real_device) from rejected
-
-
-@contextlib.contextmanager
-def outside_current_trace() -> Iterator[None]:
-    """Run a block with no dispatch mode of the current thread active (the fake-tensor and proxy modes
-    of a make_fx trace in progress), so that it can trace a function of its own; the modes come back
-    after it. torch steps out of a trace this way to run real computations inside one."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
-
-
-@contextlib.contextmanager
-def quiet_meta_failures() -> Iterator[None]:
-    """Keep FakeTensorMode from logging a full traceback with tensor dumps for every meta kernel that
-    raises (it logs, then re-raises); the error itself still reaches the caller."""
-    import logging
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-
-    def drop(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed while attempting to run meta")
-
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-"""A hashable, weak handle on a tensor's storage (fake storages included): which tensors alias."""
-
-OpOverload = torch._ops.OpOverload
-"""The type of `torch.ops.aten.mm.default`: one overload of an operator, with a schema."""
-
-
-@contextlib.contextmanager
-def fx_tracing_flag_cleared() -> Iterator[None]:
-    """Run a block as if no FX symbolic trace were active.
-
-    make_fx marks itself as FX tracing, and libraries (transformers, for one) then take code paths
-    meant for Proxies. A Program is specialized to concrete shapes, so model code should see eager
-    mode. torch <= 2.13 keeps the flag in a module global, 2.14+ in a thread-local with setters; if
-    neither exists the flag cannot be cleared and model code sees what make_fx shows it.
-    """
-    import torch.fx._symbolic_trace as symbolic_trace
-
-    if hasattr(symbolic_trace, "_set_is_fx_tracing"):
-        previous = symbolic_trace._get_is_fx_tracing()
-        symbolic_trace._set_is_fx_tracing(False)
-        try:
-            yield
-        finally:
-            symbolic_trace._set_is_fx_tracing(previous)
-    elif hasattr(symbolic_trace, "_is_fx_tracing_flag"):
-        previous = symbolic_trace._is_fx_tracing_flag
-        symbolic_trace._is_fx_tracing_flag = False
-        try:
-            yield
-        finally:
-            symbolic_trace._is_fx_tracing_flag = previous
-    else:
-        yield
 
 
 # --- process-wide state a plan depends on -----------------------------------------------------------
@@ -208,7 +108,7 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        raise RuntimeError(ctx.message)
+        raise BackwardError(ctx.message)
 
 
 def without_backward(tensors: list[torch.Tensor], message: bytes) -> list[torch.Tensor]:
@@ -289,33 +189,6 @@ def clear_cublas_workspaces() -> None:
         clear()
 
 
-# --- operator facts -------------------------------------------------------------------------------
-
-
-def has_kernel_for(op: OpOverload, dispatch_key: str) -> bool:
-    """Whether `op` registers a kernel for `dispatch_key` (e.g. "CompositeExplicitAutograd").
-
-    Without the dispatcher query, answer True: callers use it to rule kernels out, and ruling one
-    out only costs speed (an allocation instead of an out= write)."""
-    query = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
-    return True if query is None else bool(query(op.name(), dispatch_key))
-
-
-def has_internal_overlap(tensor: torch.Tensor) -> bool:
-    """Whether some elements of `tensor` share memory (an expanded or overlapping-stride view).
-
-    Fallback: True unless each stride (smallest first) steps past every element the smaller ones
-    reach, which is conservative (callers then keep an op out of place)."""
-    query = getattr(torch, "_debug_has_internal_overlap", None)
-    if query is not None:
-        return query(tensor) == 1
-    reach = 0
-    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
-        if stride <= reach:
-            return True
-        reach += (size - 1) * stride
-    return False
-
 
 # --- SM carveout ------------------------------------------------------------------------------------
 
@@ -365,7 +238,8 @@ def resolve_process_group(group_name: str) -> Any:
     for group in distributed_c10d._world.pg_map:
         if getattr(group, "group_name", None) == group_name:
             return group
-    raise ValueError(f"no process group is named {group_name!r}")
+    raise InputError(f"no process group is named {group_name!r}: the program runs a collective on it, so create it "
+                     f"(torch.distributed.new_group) in this process before running the program")
 
 
 def default_store() -> Any:
