@@ -3,7 +3,12 @@ are resident, which it writes, and how its outputs go back into the function's r
 
 The plan's tensor inputs are the call's tensor leaves (flat, in order) and then the tensors the
 function closes over. A CUDA graph reads a *resident* input at its own address instead of copying it
-in: model state (`state.is_state`), donated and persistent arguments, and closed-over tensors.
+in: model state (`state.is_state`), donated and persistent arguments, closed-over tensors, and
+arguments the function updates in place. An input updated in place is state that outlives the
+call (a KV cache, running statistics, an optimizer's moments, passed as a plain tensor): copying it
+in and writing it back on every call would cost two copies of it, and eager semantics are that the
+update lands in the caller's tensor. One that is a new tensor on every call is copied in after its
+second move (see `replayer`).
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ class Binding:
         self.closed_over = [c.tensor for c in plan.captured]
         self.closed_over_specs = [TensorSpec.of(t) for t in self.closed_over]
         arguments = len(inputs.positions)
-        self.declared_resident = inputs.donated | inputs.persistent | set(range(arguments, arguments + len(self.closed_over)))
-        self.names = list(inputs.names) + [c.name for c in plan.captured]
         self.written = plan.written_inputs()
+        self.declared_resident = (inputs.donated | inputs.persistent | set(self.written)
+                                  | set(range(arguments, arguments + len(self.closed_over))))
+        self.names = list(inputs.names) + [c.name for c in plan.captured]
         returned_inputs = set(plan.input_slots)
         self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
         self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0

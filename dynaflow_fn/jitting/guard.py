@@ -101,17 +101,23 @@ def modes_unchanged(module_modes: Sequence[tuple[torch.nn.Module, bool]]) -> boo
     return all(module.training == training for module, training in module_modes)
 
 
-def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], names: Sequence[str]) -> None:
+def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], names: Sequence[str],
+                      others: Sequence[int] | None = None) -> None:
     """Refuse a call in which a tensor the plan writes shares memory with another input.
 
     A trace sees each argument as a tensor of its own. If `fn` writes `x` (an in-place update, or a
     donated argument) and `y` is `x`, or a view overlapping it, eager PyTorch would read the new
     values through `y` and the plan reads the old ones (or a half-written buffer): a different result.
     Read-only aliasing is harmless and allowed. Memory is compared by byte range within a storage,
-    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then."""
+    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then.
+
+    `others` limits the inputs the written ones are compared with (default: all): a call whose
+    resident inputs are the very tensors, unchanged, of a call already checked need compare only the
+    rest, which costs a few tensors per call instead of every weight."""
     by_storage: dict[int, list[tuple[int, int, int]]] = {}
     span_of: dict[int, tuple[int, int, int]] = {}
-    for index, tensor in enumerate(tensors):
+    for index in sorted(set(written) | set(others)) if others is not None else range(len(tensors)):
+        tensor = tensors[index]
         if tensor.numel() == 0:
             continue
         start = tensor.storage_offset() * tensor.element_size()

@@ -40,6 +40,7 @@ class Replayer:
         self.cold_start = cold_start                   # timed until the first executable is built
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
+        self.changing: list[int] | None = None        # inputs the guard does not know by identity (see replay)
         self.moved: set[int] = set()                   # resident inputs that arrived at a new address
         self.copied_anyway: set[int] = set()           # ... twice: copied in from then on
         self.no_backward = (f"backward through the outputs of df.jit({binding.fn_name}): a compiled plan records "
@@ -62,8 +63,10 @@ class Replayer:
 
     def replay(self, leaves: Sequence[Any]) -> Any:
         """Run on leaves that `guard` admitted. Raises InPlaceInputMoved if a resident input has new
-        memory, which may also mean a new layout (`t.data = ...`): the caller checks in full."""
-        return self.run(self.binding.tensors_of(leaves), rebuild_if_moved=False)
+        memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. The
+        guard vouches that its versioned inputs are the tensors of a call already checked for
+        aliasing, unchanged, so only the others are compared with what the plan writes."""
+        return self.run(self.binding.tensors_of(leaves), rebuild_if_moved=False, aliasing_others=self.changing)
 
     def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
         """A call on the given arguments that leaves them unchanged: inputs the plan writes (donated,
@@ -75,12 +78,14 @@ class Replayer:
             tensors[i] = tensors[i].clone()
         return lambda: self.run(tensors, rebuild_if_moved=True, resident=resident)
 
-    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool, resident: Sequence[bool] | None = None) -> Any:
+    def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool, resident: Sequence[bool] | None = None,
+            aliasing_others: Sequence[int] | None = None) -> Any:
         """Run the executable (built on first use) on its inputs and return the call's outputs.
-        `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors."""
+        `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors;
+        `aliasing_others` limits the aliasing check (see `replay`)."""
         binding = self.binding
         if binding.written:
-            check_no_aliasing(tensors, binding.written, binding.names)
+            check_no_aliasing(tensors, binding.written, binding.names, aliasing_others)
         executable = self.executable or self._build(tensors, None, resident)
         try:
             outputs = executable(tensors)
@@ -142,6 +147,8 @@ class Replayer:
         version, every other leaf by its full signature."""
         binding = self.binding
         versioned = set(self.executable.versioned_inputs)
+        self.changing = (None if not set(binding.written) <= versioned
+                         else [i for i in range(len(binding.names)) if i not in versioned])
         arguments = len(binding.positions)
         return Guard(treedef, leaves, [binding.positions[i] for i in versioned if i < arguments], state,
                      [m for m, _ in binding.module_modes],
