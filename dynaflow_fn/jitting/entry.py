@@ -167,14 +167,8 @@ class Entry:
         return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()
 
     def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
-        """A guard for calls like this one: the executable's versioned inputs are known by identity and
-        version, every other leaf by its full signature."""
-        versioned = set(self.executable.versioned_inputs)
-        arguments = len(self.tensor_positions)
-        return Guard(treedef, leaves, [self.tensor_positions[i] for i in versioned if i < arguments], state,
-                     [m for m, _ in self.module_modes],
-                     captured_in_place=[self.captured[i - arguments] for i in versioned if i >= arguments],
-                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in versioned])
+        """A guard for calls like this one: the same leaves, modes and closed-over layouts (see `Guard`)."""
+        return Guard(treedef, leaves, state, [m for m, _ in self.module_modes], self.captured)
 
     def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
