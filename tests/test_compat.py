@@ -262,3 +262,93 @@ def test_dynamo_input_origin_follows_source_chains_to_the_frame_arguments():
     assert [origin for name, origin in origins.items() if "global" in name] == [False], origins
     placeholder = torch.fx.Graph().placeholder("x")
     assert compat.dynamo_input_origin(placeholder) is None
+
+
+# --- the per-call check of df.jit -----------------------------------------------------------------
+
+
+def _leaf_checker_example():
+    """A call's leaves and fixed objects as df.jit's guard checks them: ([tensor, int], (module, tensor))."""
+    module, closed_over = torch.nn.Dropout(), torch.randn(4, 4)
+    example = ([torch.randn(2, 3), 2], (module, closed_over))
+    checks = [compat.LeafCheck((0, 0)), compat.LeafCheck((0, 1)), compat.LeafCheck((1, 0), "training"),
+              compat.LeafCheck((1, 1))]
+    return example, checks
+
+
+def test_leaf_checker_compares_tensors_by_layout_and_the_rest_by_type_and_value():
+    example, checks = _leaf_checker_example()
+    (tensor, number), (module, closed_over) = example
+    check = compat.leaf_checker(example, checks)
+    assert check is not None and check(example)
+    assert check(([torch.randn(2, 3), 2], (module, closed_over)))             # data is not compared
+    refused = [([torch.randn(3, 3), 2], (module, closed_over)),               # shape
+               ([torch.randn(3, 2).t(), 2], (module, closed_over)),           # strides
+               ([tensor.double(), 2], (module, closed_over)),                 # dtype
+               ([torch.empty(2, 3, device="meta"), 2], (module, closed_over)),  # device
+               ([torch.nn.Parameter(tensor), 2], (module, closed_over)),      # Python type
+               ([tensor, 3], (module, closed_over)), ([tensor, True], (module, closed_over)),
+               ([tensor, 2.0], (module, closed_over)), ([2, tensor], (module, closed_over)),
+               ([tensor], (module, closed_over)), ((tensor, 2), (module, closed_over)), None]
+    for call in refused:
+        assert not check(call)
+    module.eval()
+    assert not check(example)
+    module.train()
+    closed_over.data = closed_over.data.t()                                  # same memory, new strides
+    assert not check(example)
+
+
+def test_leaf_checker_is_none_where_the_guards_are_missing_or_differ(monkeypatch):
+    from torch._C._dynamo import guards
+
+    example, checks = _leaf_checker_example()
+
+    class Rejects:
+        """A guard manager whose bindings take arguments of another form."""
+
+        def __getattr__(self, name):
+            def rejects(*args):
+                raise TypeError(f"{name}(): incompatible function arguments")
+            return rejects
+
+    monkeypatch.setattr(guards, "RootGuardManager", Rejects)
+    assert compat.leaf_checker(example, checks) is None
+    monkeypatch.delattr(guards, "RootGuardManager")
+    assert compat.leaf_checker(example, checks) is None
+
+
+def test_leaf_checker_calls_guard_bindings_without_a_user_stack_where_they_take_none(monkeypatch):
+    from torch._C._dynamo import guards
+
+    added = []
+
+    class WithoutUserStack:
+        """A guard manager of a torch whose `add_*_guard` bindings take no `user_stack`."""
+
+        def tuple_getitem_manager(self, index, source, example_value, kind):
+            return self
+
+        list_getitem_manager = tuple_getitem_manager
+
+        def getattr_manager(self, name, source, example_value, kind):
+            return self
+
+        def add_tensor_match_guard(self, value, sizes, strides, name, description, pytype, keys, *rest):
+            if rest:
+                raise TypeError("add_tensor_match_guard(): incompatible function arguments")
+            added.append(("tensor", sizes, strides, pytype))
+
+        def add_equals_match_guard(self, value, description, *rest):
+            if rest:
+                raise TypeError("add_equals_match_guard(): incompatible function arguments")
+            added.append(("equals", value))
+
+        def check(self, value):
+            return True
+
+    monkeypatch.setattr(guards, "RootGuardManager", WithoutUserStack)
+    example, checks = _leaf_checker_example()
+    assert compat.leaf_checker(example, checks) is not None
+    assert added == [("tensor", [2, 3], [3, 1], torch.Tensor), ("equals", 2), ("equals", True),
+                     ("tensor", [4, 4], [4, 1], torch.Tensor)]

@@ -1,6 +1,5 @@
 import warnings
 
-import optree
 import pytest
 import torch
 
@@ -65,22 +64,6 @@ def test_a_tensor_changed_in_place_in_layout_traces_again():
     x.t_()
     torch.testing.assert_close(fast(x), x.sum(0))
     assert fast.cache_info().misses == 2
-
-
-def test_the_call_guard_knows_a_tensor_read_in_place_by_identity_and_version():
-    from dynaflow_fn.jitting.guard import Guard, call_state
-
-    weight, x = torch.randn(3), torch.randn(3)
-    leaves, treedef = optree.tree_flatten(((weight, x, 2), {}))
-    state = call_state()
-    guard = Guard(treedef, leaves, in_place=[0], state=state)
-    assert guard.admits(treedef, [weight, torch.randn(3), 2], state)
-    assert not guard.admits(treedef, [weight.clone(), x, 2], state)           # another tensor, same layout
-    assert not guard.admits(treedef, [weight, torch.randn(4), 2], state)      # the other leaves are compared in full
-    assert not guard.admits(treedef, [weight, x, 3], state)
-    assert not guard.admits(optree.tree_structure(((weight, x), {})), [weight, x], state)
-    weight.unsqueeze_(0)                                                      # every in-place layout change counts
-    assert not guard.admits(treedef, [weight, x, 2], state)
 
 
 def test_static_leaf_value_is_part_of_the_key():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import fx
@@ -41,7 +41,7 @@ __all__ = [
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
-    "quiet_meta_failures", "outside_current_trace",
+    "quiet_meta_failures", "outside_current_trace", "LeafCheck", "leaf_checker",
 ]
 
 
@@ -93,6 +93,60 @@ def _resolve_matmul_settings() -> Any:
 
 
 matmul_settings = _resolve_matmul_settings()
+
+
+# --- the per-call check of df.jit ------------------------------------------------------------------
+# torch.compile checks a frame's inputs with a tree of C++ guards (torch._C._dynamo.guards); df.jit
+# checks its flattened arguments with the same ones. Each `add_*_guard` binding takes a `user_stack`
+# after the guard's description in recent releases and none before; other changes give None.
+
+
+class LeafCheck(NamedTuple):
+    """One place `leaf_checker` compares: `example[path[0]][path[1]]...`, or its `attribute`."""
+
+    path: tuple[int, ...]
+    attribute: str | None = None
+
+
+def leaf_checker(example: Sequence[Any], checks: Sequence[LeafCheck]) -> Callable[[Sequence[Any]], bool] | None:
+    """One C++ call: whether an object holds, at each checked place, what `example` holds there now.
+
+    A tensor matches a tensor of its Python type, dispatch keys, dtype, device, requires_grad, sizes and
+    strides (TENSOR_MATCH; the data is not read); anything else matches an object of its exact type that
+    is it or `==` to it (EQUALS_MATCH). Containers on a path are indexed as the lists or tuples they are
+    in `example`; a place missing from the object does not match. None where this torch's guards are
+    missing or built differently: the caller then checks in Python."""
+    try:
+        from torch._C._dynamo import guards
+        from torch._dynamo.guards import GuardManagerType
+
+        plain = GuardManagerType.GUARD_MANAGER
+        root = guards.RootGuardManager()
+        for check in checks:
+            manager, value, source = root, example, "L"
+            for index in check.path:
+                item_manager = {list: manager.list_getitem_manager, tuple: manager.tuple_getitem_manager}[type(value)]
+                source, value = f"{source}[{index}]", value[index]
+                manager = item_manager(index, source, value, plain)
+            if check.attribute is not None:
+                source, value = f"{source}.{check.attribute}", getattr(value, check.attribute)
+                manager = manager.getattr_manager(check.attribute, source, value, plain)
+            if isinstance(value, torch.Tensor):
+                _add_guard(manager.add_tensor_match_guard, (value, list(value.shape), list(value.stride()), source,
+                           [source]), (type(value), torch._C._dispatch_keys(value)))
+            else:
+                _add_guard(manager.add_equals_match_guard, (value, [source]), ())
+    except (ImportError, AttributeError, KeyError, TypeError, RuntimeError):
+        return None
+    return root.check
+
+
+def _add_guard(add: Callable[..., None], head: tuple, tail: tuple) -> None:
+    """Call an `add_*_guard` binding with `user_stack=None` between `head` and `tail`, or without it."""
+    try:
+        add(*head, None, *tail)
+    except TypeError:
+        add(*head, *tail)
 
 
 # --- autograd -----------------------------------------------------------------------------------------

@@ -10,25 +10,25 @@ A plan is built from one call's arguments and from Python state that tracing and
 * the `training` flag of every module whose flag the trace read (dropout, batch norm: `mode_reads`);
 * the tensors the function closes over (their layout; they are read in place).
 
-Hashing the full key costs about half a microsecond per leaf, as long as a replay for a decode step
-with hundreds of weights, so a call first asks the `Guard` of the plan used last: resident tensors
-(parameters, donated and persistent arguments, closed-over tensors) are recognized by identity
-and version counter, everything else is compared in full.
+Building the full key costs about half a microsecond per leaf, as long as a replay for a decode step
+with hundreds of weights, so a call first asks the `Guard` of the plan used last, which compares the
+same fields against the call that built it: in one C++ call where torch has its guard manager
+(`fast_check`), in Python otherwise.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import compat
 from ..errors import InputError
 from ..ir.tree import leaf_key
+from . import fast_check
 from .binding import picker
 
-_VERSION = operator.attrgetter("_version")
 _TRAINING = operator.attrgetter("training")
 
 
@@ -52,44 +52,50 @@ def call_state() -> tuple:
 
 
 class Guard:
-    """Whether a call fits the call that made this guard, cheaply.
+    """Whether a call fits the call that made this guard, cheaply, and with the meaning of a full lookup.
 
-    Leaves read in place are tensors read in place: recognized by identity and version counter, which every
-    in-place change of shape or layout bumps (resize_, set_, t_, unsqueeze_, ...); the executable
-    checks their addresses. What this cannot see is `t.data = v` with `v` at t's own address in
-    another layout. Every other leaf is compared in full, as in the cache key, and so are the call
-    state and the training flags the trace read. Tensors the function closes over
-    are the same objects on every call: those read in place (`captured_in_place`) are checked by
-    version, the others (`captured_compared`) in full.
+    A call fits when its pytree structure and call state are the same, every static leaf has the same
+    `static_key`, every module whose flag the trace read is in the same mode, and every tensor, the
+    arguments' and those the function closes over, has the same layout: shape, strides, dtype and
+    device. A tensor read in place may be another tensor object with the same layout; the executable
+    checks its address and captures again if it moved. A changed layout is seen however it was made
+    (`resize_`, `t_()`, `t.data = v` with `v` anywhere). One C++ call checks all of it where torch has
+    its guard manager (`fast_check`); Python compares the same fields otherwise.
     """
 
-    def __init__(self, treedef: Any, leaves: Sequence[Any], in_place: Sequence[int], state: tuple,
-                 modules: Sequence[torch.nn.Module] = (), captured_in_place: Sequence[torch.Tensor] = (),
-                 captured_compared: Sequence[torch.Tensor] = ()):
+    def __init__(self, treedef: Any, leaves: Sequence[Any], state: tuple, modules: Sequence[torch.nn.Module] = (),
+                 closed_over: Sequence[torch.Tensor] = ()):
         self.treedef = treedef
         self.state = state
-        self.pick_in_place = picker(in_place)
-        chosen = set(in_place)
-        self.pick_rest = picker([i for i in range(len(leaves)) if i not in chosen])
-        self.in_place = self.pick_in_place(leaves)
-        self.versions = list(map(_VERSION, self.in_place))
-        self.rest = _keys(self.pick_rest(leaves))
-        self.modules = list(modules)
-        self.training = list(map(_TRAINING, self.modules))
-        self.captured_in_place = list(captured_in_place)
-        self.captured_versions = list(map(_VERSION, self.captured_in_place))
-        self.captured_compared = list(captured_compared)
-        self.captured_signature = _keys(self.captured_compared)
+        native = fast_check.native_check(leaves, modules, closed_over)
+        if native is None:
+            self.leaves_fit = _python_check(leaves, modules, closed_over)
+        elif native.python_positions:
+            self.leaves_fit = _with_python_leaves(native, leaves)
+        else:
+            self.leaves_fit = native.check
 
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
-        if treedef != self.treedef or state != self.state:
-            return False
-        in_place = self.pick_in_place(leaves)
-        return (all(map(operator.is_, in_place, self.in_place)) and list(map(_VERSION, in_place)) == self.versions
-                and _keys(self.pick_rest(leaves)) == self.rest
-                and list(map(_TRAINING, self.modules)) == self.training
-                and list(map(_VERSION, self.captured_in_place)) == self.captured_versions
-                and _keys(self.captured_compared) == self.captured_signature)
+        return treedef == self.treedef and state == self.state and self.leaves_fit(leaves)
+
+
+def _python_check(leaves: Sequence[Any], modules: Sequence[torch.nn.Module],
+                  closed_over: Sequence[torch.Tensor]) -> Callable[[Sequence[Any]], bool]:
+    """The check of `Guard` in Python: every field compared as the cache key compares it."""
+    modules, closed_over = list(modules), list(closed_over)
+    expected = _keys(leaves), list(map(_TRAINING, modules)), _keys(closed_over)
+
+    def check(leaves: Sequence[Any]) -> bool:
+        return (_keys(leaves) == expected[0] and list(map(_TRAINING, modules)) == expected[1]
+                and _keys(closed_over) == expected[2])
+    return check
+
+
+def _with_python_leaves(native: fast_check.NativeCheck, leaves: Sequence[Any]) -> Callable[[Sequence[Any]], bool]:
+    """The C++ check, and the static leaves it leaves out compared by key in Python."""
+    pick, check = picker(native.python_positions), native.check
+    expected = _keys(pick(leaves))
+    return lambda leaves: check(leaves) and _keys(pick(leaves)) == expected
 
 
 def _keys(leaves: Sequence[Any]) -> tuple:

@@ -200,9 +200,8 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
         same tensors every call; a different tensor there captures the graph again. A model's state
         needs no naming: `nn.Parameter`s, every tensor `df.pure` hands out (buffers included), tensors
         marked with `torch._dynamo.mark_static_address`, donated arguments and closed-over tensors are
-        always read in place (see `state`). Such tensors are recognized per call by
-        identity, version counter and address, not by re-reading their layout, so assigning
-        `t.data = v` with `v` a view of t's own memory in another layout goes unnoticed: pass `v`.
+        always read in place (see `state`). Each call checks their layout and address, so a tensor
+        given another layout (`t.data = v`, `resize_`) traces again and one moved captures again.
     static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph backend):
         faster, but the next call overwrites them.
     strategy: None runs `fn` as given (transform it to choose a strategy yourself); "auto" times candidate

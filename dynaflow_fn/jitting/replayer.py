@@ -143,17 +143,14 @@ class Replayer:
         return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()
 
     def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
-        """A guard for calls like this one: the executable's versioned inputs are known by identity and
-        version, every other leaf by its full signature."""
+        """A guard for calls like this one. It checks every tensor's layout and the executable checks the
+        resident ones' addresses, so resident inputs of an admitted call occupy the very bytes they did
+        in this call: only the copied-in ones need comparing with the written ones for aliasing."""
         binding = self.binding
-        versioned = set(self.executable.versioned_inputs)
-        self.changing = (None if not set(binding.written) <= versioned
-                         else [i for i in range(len(binding.names)) if i not in versioned])
-        arguments = len(binding.positions)
-        return Guard(treedef, leaves, [binding.positions[i] for i in versioned if i < arguments], state,
-                     [m for m, _ in binding.module_modes],
-                     captured_in_place=[binding.closed_over[i - arguments] for i in versioned if i >= arguments],
-                     captured_compared=[t for k, t in enumerate(binding.closed_over) if arguments + k not in versioned])
+        resident = set(getattr(self.executable, "in_place", ()))
+        self.changing = (None if not set(binding.written) <= resident
+                         else [i for i in range(len(binding.names)) if i not in resident])
+        return Guard(treedef, leaves, state, [m for m, _ in binding.module_modes], binding.closed_over)
 
     def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs that, like eager ones computed from tensors requiring grad, require grad; their

@@ -39,10 +39,7 @@ from .turns import Turns
 
 
 class CudaGraphExecutable:
-    """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring).
-
-    `versioned_inputs` are the positions of the inputs the graph reads at their own address whose version
-    counter can be read (not inference tensors): the same tensor at the same version needs no other check."""
+    """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring)."""
 
     def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
                  in_place: Sequence[bool], static_outputs: bool = False):
@@ -54,7 +51,6 @@ class CudaGraphExecutable:
                               for tensor, read_in_place in zip(inputs, in_place)]
         self.copied = [i for i, read_in_place in enumerate(in_place) if not read_in_place]
         self.in_place = [i for i, read_in_place in enumerate(in_place) if read_in_place]
-        self.versioned_inputs = tuple(i for i in self.in_place if not inputs[i].is_inference())
         self.addresses = [tensor.data_ptr() if read_in_place else None for tensor, read_in_place in zip(inputs, in_place)]
         self.written_inputs = plan.written_inputs()
         self.write_back = [i for i in self.written_inputs if not in_place[i]]

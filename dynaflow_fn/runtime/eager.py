@@ -17,11 +17,7 @@ from .turns import Turns
 
 
 class EagerExecutable:
-    """A Plan interpreted on every call, on whatever tensors the call passes.
-
-    `versioned_inputs` is empty: no input is bound to an address, so each call's inputs are checked in full."""
-
-    versioned_inputs: tuple[int, ...] = ()
+    """A Plan interpreted on every call, on whatever tensors the call passes."""
 
     def __init__(self, plan: Plan, device: torch.device):
         self.bound = BoundPlan(plan, device)

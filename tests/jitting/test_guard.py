@@ -1,0 +1,185 @@
+"""The per-call check of df.jit refuses every change a full cache lookup would see, in its C++ form
+(torch's guard manager) and in its Python form, and admits what the plan computes the same for."""
+
+import dataclasses
+import math
+
+import optree
+import pytest
+import torch
+from torch import nn
+
+import dynaflow_fn as df
+from dynaflow_fn.jitting import fast_check
+from dynaflow_fn.jitting.guard import Guard, call_state
+
+
+@pytest.fixture(params=["native", "python"])
+def check_path(request, monkeypatch):
+    """Every guard built in the test checks in C++ ("native") or in Python ("python")."""
+    if request.param == "python":
+        monkeypatch.setenv(fast_check.PYTHON_GUARD_ENV, "1")
+    else:
+        monkeypatch.delenv(fast_check.PYTHON_GUARD_ENV, raising=False)
+    return request.param
+
+
+def _guard(*args, modules=(), closed_over=()):
+    leaves, treedef = optree.tree_flatten((args, {}))
+    return Guard(treedef, leaves, call_state(), modules, closed_over)
+
+
+def _admits(guard, *args):
+    leaves, treedef = optree.tree_flatten((args, {}))
+    return guard.admits(treedef, leaves, call_state())
+
+
+def test_this_torch_checks_in_cpp():
+    check = fast_check.native_check([torch.randn(2), 3, 0.0], [nn.Dropout()], [torch.randn(2)])
+    assert check is not None and check.python_positions == (2,)
+
+
+def test_tensors_of_the_same_layout_are_admitted_whatever_their_values_or_identity(check_path):
+    weight, x = nn.Parameter(torch.randn(4, 4)), torch.randn(2, 4)
+    guard = _guard(weight, x)
+    assert _admits(guard, weight, torch.randn(2, 4))
+    with torch.no_grad():
+        weight.add_(1)                                           # a new version, the same layout
+    assert _admits(guard, weight, x)
+    assert _admits(guard, nn.Parameter(weight.detach().clone()), x)   # the executable checks addresses
+
+
+REPLACEMENTS = {   # another leaf in the place of a (4, 4) float tensor
+    "shape": lambda: torch.randn(4, 2),
+    "strides": lambda: torch.randn(4, 4).t(),
+    "dtype": lambda: torch.randn(4, 4, dtype=torch.float64),
+    "device": lambda: torch.empty(4, 4, device="meta"),
+    "a static leaf": lambda: 4,
+}
+IN_PLACE = {       # the same tensor object, in another layout
+    "resize_": lambda w: w.resize_(16),
+    "t_": lambda w: w.t_(),
+    "unsqueeze_": lambda w: w.unsqueeze_(0),
+    "data = its own memory transposed": lambda w: setattr(w, "data", w.data.t()),
+    "data = its own memory as int32": lambda w: setattr(w, "data", w.data.view(torch.int32)),
+    "data = a new shape": lambda w: setattr(w, "data", torch.randn(16)),
+}
+
+
+@pytest.mark.parametrize("change", REPLACEMENTS)
+def test_a_leaf_of_another_layout_is_refused(check_path, change):
+    weight, x = torch.randn(4, 4), torch.randn(2, 4)
+    guard = _guard(weight, x)
+    assert not _admits(guard, REPLACEMENTS[change](), x)
+
+
+@pytest.mark.parametrize("change", IN_PLACE)
+def test_a_tensor_leaf_changed_in_layout_in_place_is_refused(check_path, change):
+    weight, x = torch.randn(4, 4), torch.randn(2, 4)
+    guard = _guard(weight, x)
+    IN_PLACE[change](weight)
+    assert not _admits(guard, weight, x)
+
+
+@pytest.mark.parametrize("change", IN_PLACE)
+def test_a_closed_over_tensor_changed_in_layout_is_refused(check_path, change):
+    weight, x = torch.randn(4, 4), torch.randn(2, 4)
+    guard = _guard(x, closed_over=[weight])
+    IN_PLACE[change](weight)
+    assert not _admits(guard, x)
+
+
+def test_a_closed_over_tensor_with_new_values_or_memory_in_the_same_layout_is_admitted(check_path):
+    weight, x = torch.randn(4, 4), torch.randn(2, 4)
+    guard = _guard(x, closed_over=[weight])
+    weight.add_(1)
+    assert _admits(guard, x)
+    weight.data = torch.randn(4, 4)
+    assert _admits(guard, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    scale: float
+
+
+STATIC_LEAVES = [  # (built with, called with, admitted)
+    (2, 2, True), (2, 3, False), (True, 1, False), (1, True, False), (True, True, True),
+    (float("1.5"), float("1.5"), True), (1.5, 2.5, False), (1.5, 1, False), (math.inf, float("inf"), True),
+    (0.0, float("0.0"), True), (0.0, -0.0, False), (-0.0, 0.0, False), (float("nan"), float("nan"), True),
+    (complex(0.0, 1.0), complex(-0.0, 1.0), False), (complex(1.0, 2.0), complex(1.0, 2.0), True),
+    ("mean", "mean", True), ("mean", "sum", False), (b"a", b"b", False),
+    (torch.float32, torch.float32, True), (torch.float32, torch.float16, False),
+    (torch.device("cpu"), torch.device("cpu"), True), (torch.device("cpu"), torch.device("meta"), False),
+    (Config(0.0), Config(0.0), True), (Config(0.0), Config(-0.0), False), (Config(1.0), Config(2.0), False),
+]
+
+
+@pytest.mark.parametrize("built, called, admitted", STATIC_LEAVES, ids=[repr(case[:2]) for case in STATIC_LEAVES])
+def test_static_leaves_are_compared_by_key(check_path, built, called, admitted):
+    x = torch.randn(3)
+    guard = _guard(x, built)
+    assert _admits(guard, x, called) is admitted
+
+
+def test_a_switched_module_mode_is_refused_and_switching_back_admitted(check_path):
+    model, x = nn.Dropout(), torch.randn(3)
+    guard = _guard(x, modules=[model])
+    assert _admits(guard, x)
+    model.eval()
+    assert not _admits(guard, x)
+    model.train()
+    assert _admits(guard, x)
+
+
+def test_another_structure_or_call_state_is_refused(check_path):
+    x = torch.randn(3)
+    guard = _guard(x, 2)
+    assert not _admits(guard, x)
+    assert not _admits(guard, (x,), 2)
+    leaves, treedef = optree.tree_flatten(((x, 2), {}))
+    assert guard.admits(treedef, leaves, call_state())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert not guard.admits(treedef, leaves, call_state())
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# --- end to end, against eager PyTorch --------------------------------------------------------------
+
+
+def test_a_parameter_given_another_layout_of_its_own_memory_is_traced_again(check_path):
+    model = nn.Linear(4, 4, bias=False)
+    fn, params = df.pure(model)
+    fast = df.jit(fn)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(params, x), model(x), rtol=0, atol=0)
+        model.weight.data = model.weight.data.t()                 # same memory, transposed
+        torch.testing.assert_close(fast(params, x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 2
+
+
+def test_calls_with_static_zeros_of_either_sign_match_eager(check_path):
+    x = torch.randn(4)
+    by_float = df.jit(lambda x, scale: x / scale)
+    by_field = df.jit(lambda x, c: x / c.scale)
+    for scale in (0.0, -0.0, 0.0, 2.0, -0.0):
+        torch.testing.assert_close(by_float(x, scale), x / scale, rtol=0, atol=0)
+        torch.testing.assert_close(by_field(x, Config(scale)), x / scale, rtol=0, atol=0)
+    assert by_float.cache_info().misses == by_field.cache_info().misses == 3
+
+
+@pytest.mark.cuda
+def test_a_parameter_given_another_layout_of_its_own_memory_is_seen_by_the_cuda_graph(check_path):
+    model = nn.Linear(64, 64, bias=False).cuda()
+    fn, params = df.pure(model)
+    fast = df.jit(fn, backend="cudagraph")
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(params, x), model(x))
+        model.weight.data = model.weight.data.t()                 # read in place: same address, new strides
+        torch.testing.assert_close(fast(params, x), model(x))
+    assert fast.cache_info().misses == 2
