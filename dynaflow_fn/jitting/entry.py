@@ -42,11 +42,11 @@ class Entry:
         self.module_modes = tuple(module_modes)
         self.tensor_positions = inputs.positions
         self.pick_tensors = picker(inputs.positions)
-        self.captured = [c.tensor for c in plan.captured]
+        self.captured = [c.tensor for c in plan.closed_over]
         self.captured_specs = [TensorSpec.of(t) for t in self.captured]
         arguments = len(inputs.positions)
         self.in_place = inputs.donated | inputs.persistent | set(range(arguments, arguments + len(self.captured)))
-        self.names = list(inputs.names) + [c.name for c in plan.captured]
+        self.names = list(inputs.names) + [c.name for c in plan.closed_over]
         self.written = plan.written_inputs()
         returned_inputs = set(plan.input_slots)
         self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
@@ -110,7 +110,7 @@ class Entry:
         a second time is a per-call tensor in a resident's position (a new tensor passed where state
         was expected): capturing on every call would cost far more than copying it, so from then on
         it is copied in, which computes the same, and a warning says how to keep it in place."""
-        for i in moved_from.in_place:
+        for i in moved_from.resident:
             if tensors[i].data_ptr() == moved_from.addresses[i]:
                 continue
             if i in self.moved and i not in self.copied_anyway:
