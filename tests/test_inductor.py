@@ -32,7 +32,7 @@ def test_inductor_matches_eager_for_an_mlp(overlap):
     assert len(_compiled_steps(plan)) == (3 if overlap else 1)   # each micro-batch, and the merge
     assert "mm" not in _aten_ops(plan) and "addmm" not in _aten_ops(plan)
     jit_steps = [line.split("(")[0].split(":")[0] for line in plan.provenance if line.startswith(("causal", "inductor", "lower"))]
-    assert jit_steps == ["causal masks", "inductor", "lower"]                # the steps df.jit ran, in order
+    assert jit_steps == ["inductor", "lower"]       # the steps df.jit ran that changed something (no mask here)
     assert plan.provenance[-2] == f"inductor({len(_compiled_steps(plan))} runs)"
 
 
