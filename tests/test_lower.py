@@ -228,8 +228,7 @@ def test_plan_provenance_lists_the_lowering_sub_passes_that_changed_something_in
     lowering = importlib.import_module("dynaflow_fn.lowering.lower")
     ran = []
     monkeypatch.setattr(lowering, "SUB_PASSES", tuple(
-        dataclasses.replace(sub_pass, run=lambda draft, sub_pass=sub_pass: (ran.append(sub_pass.name), sub_pass(draft))[1])
-        for sub_pass in lowering.SUB_PASSES))
+        dataclasses.replace(s, run=lambda draft, s=s: (ran.append(s.name), s(draft))[1]) for s in lowering.SUB_PASSES))
     fn, params = df.pure(MLP())
     program = df.trace(fn, params, torch.randn(4, 32))
     plan = df.lower(program)

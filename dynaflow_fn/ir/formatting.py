@@ -127,8 +127,9 @@ def signature_lines(signature: Signature, closed_over_names: Sequence[str]) -> l
     if statics:
         lines.append("# static: " + ", ".join(f"{s.path}={s.static_value!r}" for s in statics))
     if signature.closed_over:
-        lines.append("# closed over (resident, read every call): " + ", ".join(
-            f"{name}={c.name}" if name != c.name else name for name, c in zip(closed_over_names, signature.closed_over)))
+        pairs = zip(closed_over_names, signature.closed_over)
+        lines.append("# closed over (resident, read every call): " +
+                     ", ".join(f"{name}={c.name}" if name != c.name else name for name, c in pairs))
     return lines
 
 

@@ -36,7 +36,8 @@ class SubPass:
         return self.run(draft)
 
 
-def sub_pass(name: str, *, reads: Sequence[str], writes: Sequence[str]) -> Callable[[Callable[[PlanDraft], bool]], SubPass]:
+def sub_pass(name: str, *, reads: Sequence[str],
+             writes: Sequence[str]) -> Callable[[Callable[[PlanDraft], bool]], SubPass]:
     """Declare a function of the draft a sub-pass named `name` that reads and writes these fields."""
     unknown = sorted((set(reads) | set(writes)) - DRAFT_FIELDS)
     if unknown:

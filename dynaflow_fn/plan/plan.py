@@ -201,7 +201,8 @@ def format_step(step: Step, slots: Sequence[Slot], place: Callable[[int], str]) 
     if step.kind in (StepKind.FORK, StepKind.JOIN):
         return f"s{step.stream}  {step.kind.value}{sync}{after}"
     literal = lambda value: slots[value.slot].name if isinstance(value, Ref) else repr(value)
-    args = [format_arg(a, literal) for a in step.args] + [f"{k}={format_arg(v, literal)}" for k, v in step.kwargs.items()]
+    args = [format_arg(a, literal) for a in step.args]
+    args += [f"{k}={format_arg(v, literal)}" for k, v in step.kwargs.items()]
     if step.kind is StepKind.COPY:
         call = f"{outs}.copy_({args[1]})"
     else:
