@@ -63,12 +63,12 @@ class CompileBackend:
 
 def _passed_by_the_caller(graph_module: fx.GraphModule) -> list[bool | None]:
     """Per input of a Dynamo graph, from Dynamo's record of where it came from: True if it was reached
-    from an argument of the compiled function, False if from elsewhere (globals, closures: read in
-    place, like the state df.jit reads in place anyway), None where no record says.
+    from an argument of the compiled function, False if from elsewhere (globals, closures: resident,
+    like the state df.jit keeps resident anyway), None where no record says.
 
     Reached from an argument means per call: the token ids, positions and masks of every decoding
     step are new tensors, so they are copied in. A model's state reached through `self` or an argument
-    is read in place all the same, because it is marked: parameters are, Dynamo marks the other
+    is resident all the same, because it is marked: parameters are, Dynamo marks the other
     tensors of modules static, and transformers marks its static KV caches."""
     return [compat.dynamo_input_origin(node) for node in graph_module.graph.nodes if node.op == "placeholder"]
 

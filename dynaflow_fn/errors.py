@@ -67,9 +67,11 @@ _LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torc
 _GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
 
 
-class InPlaceInputMoved(Exception):
-    """Control flow, never seen by users: a tensor a CUDA graph reads in place arrived at a new
-    address, so the graph must be captured again (df.jit does)."""
+class ResidentInputMoved(Exception):
+    """Control flow, never seen by users: a resident tensor (one a CUDA graph reads at its own address)
+    arrived at a new address, so the graph must be captured again (df.jit does)."""
+
+
 
 
 class MetaKernelRejection(RuntimeError):

@@ -51,7 +51,7 @@ def test_a_padding_mask_given_as_input_is_kept():
 
     fast = df.jit(logits)
     assert all(mask is not None and not causal for mask, causal in _masks_of(fast.trace(params, ids, padding)))
-    assert fast.lower(params, ids, padding).provenance[-2] == "causal masks(0 attentions made causal)"
+    assert not any(line.startswith("causal masks") for line in fast.lower(params, ids, padding).provenance)
     torch.testing.assert_close(fast(params, ids, padding), model(ids, attention_mask=padding, use_cache=False).logits)
 
 

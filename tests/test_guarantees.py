@@ -174,8 +174,8 @@ def test_work_on_a_closed_over_tensor_alone_follows_its_updates():
         torch.testing.assert_close(fast(x), f(x), rtol=0, atol=0)
         w.add_(torch.randn(8))
     program = df.trace(f, torch.randn(4, 8))
-    assert program.captured and program.captured[0].tensor is w and program.captured[0].name == "w"
-    assert "# closed over (read in place every call): w\n" in str(program)
+    assert program.closed_over and program.closed_over[0].tensor is w and program.closed_over[0].name == "w"
+    assert "# closed over (resident, read every call): w\n" in str(program)
 
 
 def test_a_closed_over_tensor_replaced_through_data_is_seen():
@@ -210,7 +210,7 @@ def test_a_closed_over_tensor_mutated_inside_the_function_is_written_back():
 def test_literals_inside_the_function_stay_constants():
     f = lambda x: x + torch.tensor([1.0, 2.0, 3.0])                   # noqa: E731
     program = df.trace(f, torch.randn(3))
-    assert not program.captured
+    assert not program.closed_over
     x = torch.randn(3)
     torch.testing.assert_close(df.jit(f)(x), f(x))
 

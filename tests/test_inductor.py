@@ -33,7 +33,7 @@ def test_inductor_matches_eager_for_an_mlp(overlap):
     assert "mm" not in _aten_ops(plan) and "addmm" not in _aten_ops(plan)
     jit_steps = [line.split("(")[0].split(":")[0] for line in plan.provenance
                  if line.startswith(("causal", "inductor", "lower", "verify"))]
-    assert jit_steps == ["causal masks", "inductor", "lower"] + (["verify"] if overlap else [])   # in order
+    assert jit_steps == ["inductor", "lower"] + (["verify"] if overlap else [])   # the steps that changed something
     assert f"inductor({len(_compiled_steps(plan))} runs)" in plan.provenance
 
 

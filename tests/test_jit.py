@@ -116,8 +116,8 @@ def test_donated_arguments_are_updated_in_place():
     torch.testing.assert_close(loss, expected_loss)
     plan = step.lower(params, x)
     assert not plan.copy_steps()
-    in_place = sorted(str(s.op) for s in plan.steps if s.note == "in place")
-    assert in_place == ["aten.mul_.Tensor", "aten.sub_.Tensor"]
+    inplace = sorted(str(s.op) for s in plan.steps if s.note == "reinplaced")
+    assert inplace == ["aten.mul_.Tensor", "aten.sub_.Tensor"]
 
 
 def test_donated_argument_whose_old_value_is_still_read_is_copied_back():

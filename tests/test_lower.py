@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
+from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind, StorageKind
 from models import MLP, Block, llama_logits, tiny_llama
 
@@ -153,13 +154,13 @@ def test_inputs_are_never_overwritten_unless_donated():
     assert torch.equal(x, x0) and torch.equal(w, w0) and torch.equal(wt, w0.T)
 
 
-def test_dead_intermediates_are_updated_in_place():
+def test_dead_intermediates_are_reinplaced():
     def f(x):
         return x.exp().relu().relu()
 
     plan = _plan(f, torch.randn(8))
-    in_place = [s for s in plan.steps if s.note == "in place"]
-    assert in_place and all(s.kind is StepKind.KERNEL for s in in_place)
+    inplace = [s for s in plan.steps if s.note == "reinplaced"]
+    assert inplace and all(s.kind is StepKind.KERNEL for s in inplace)
     x = torch.randn(8)
     torch.testing.assert_close(df.jit(f)(x), x.exp().relu())
 
@@ -220,24 +221,36 @@ def test_a_step_marked_to_leave_sms_runs_under_the_carveout_and_restores_it(monk
     assert carveout["value"] is None and blas["value"] == "cublas"  # restored even when the kernel fails
 
 
-def test_plan_provenance_lists_the_lowering_sub_passes_in_the_order_they_run(monkeypatch):
+def test_plan_provenance_lists_the_lowering_sub_passes_that_changed_something_in_order(monkeypatch):
+    import dataclasses
     import importlib
 
     lowering = importlib.import_module("dynaflow_fn.lowering.lower")
     ran = []
     monkeypatch.setattr(lowering, "SUB_PASSES", tuple(
-        (name, lambda draft, name=name, sub_pass=sub_pass: (ran.append(name), sub_pass(draft)))
-        for name, sub_pass in lowering.SUB_PASSES))
-    fn, params = df.pure(MLP(sizes=(32, 16)))
+        dataclasses.replace(s, run=lambda draft, s=s: (ran.append(s.name), s(draft))[1]) for s in lowering.SUB_PASSES))
+    fn, params = df.pure(MLP())
     program = df.trace(fn, params, torch.randn(4, 32))
     plan = df.lower(program)
-    expected = ["bind", "issue order", "reinplace", "kernels", "outputs", "elide copies", "synchronize",
-                "sm budget", "place buffers"]
-    assert ran == expected
-    assert plan.provenance == (*program.provenance, "lower: " + " -> ".join(expected))
-    assert str(plan).splitlines()[0].endswith("passes: trace -> lower: bind -> issue order -> reinplace -> "
-                                              "kernels -> outputs -> elide copies -> synchronize -> sm budget -> "
-                                              "place buffers")
+    assert ran == ["bind", "issue order", "reinplace", "emit steps", "outputs", "elide copies", "synchronize",
+                   "sm budget", "place buffers"]
+    changed = ["bind", "emit steps", "outputs", "place buffers"]     # one stream, no schedule, nothing to reinplace
+    assert plan.provenance == (*program.provenance, "lower: " + " -> ".join(changed))
+    assert str(plan).splitlines()[0].endswith("passes: trace -> lower: bind -> emit steps -> outputs -> place buffers")
+
+
+def test_a_plan_header_names_the_optional_sub_passes_only_where_they_did_something():
+    def step(w, x):
+        return (x @ w).relu().exp()
+
+    w, x = torch.randn(8, 8), torch.randn(8, 8)
+    single = df.lower(df.trace(step, w, x)).provenance[-1]
+    scheduled = df.lower(df.trace(T.overlap(T.microbatch(step, num=2, in_axes=(None, 0)), "roundrobin"), w, x))
+    assert "reinplace" in single and "synchronize" not in single and "issue order" not in single
+    assert "issue order" in scheduled.provenance[-1] and "synchronize" in scheduled.provenance[-1]
+    assert "sm budget" not in single + scheduled.provenance[-1]       # no collective to leave SMs to
+    df.verify(scheduled)
+    torch.testing.assert_close(df.jit(step)(w, x), step(w, x))
 
 
 @pytest.mark.parametrize("annotate, match", [

@@ -304,3 +304,23 @@ def test_example_policy_interleaves_micro_batches():
 def test_example_policy_is_valid_exact_and_deterministic_on_random_programs():
     """KindPairing gives every micro-batch a stream, so it is meant for micro-batched programs only."""
     dft.check_scheduler(load_example("custom_scheduler").KindPairing, max_examples=15)
+
+
+def test_a_pass_that_changes_nothing_adds_no_provenance_line_but_is_remembered():
+    from dynaflow_fn.passes.causal import CausalKernelPass
+    from dynaflow_fn.passes.inductor import InductorPass
+
+    class Unchanged(T.Pass):
+        def describe(self):
+            return "unchanged"
+
+        def apply(self, program):
+            return T.record(program, program, self)
+
+    program = df.trace(lambda x: x.t().relu(), torch.randn(3, 4))
+    views = df.trace(lambda x: x.t(), torch.randn(3, 4))                  # nothing for Inductor to compile
+    for p, given in ((Unchanged(), program), (CausalKernelPass(), program), (InductorPass(progress=False), views)):
+        after = p.apply(given)
+        assert after.provenance == ("trace",) and after.passes[-1] is p, p
+    changed = T.partition(program, rules=[T.Kind("memory")])
+    assert changed.provenance == ("trace", "partition(T.Kind('memory'))")

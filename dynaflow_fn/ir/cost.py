@@ -18,6 +18,16 @@ from torch import fx
 
 from ..compat import StorageWeakRef
 from . import ops
+from .kinds import StrKind
+
+
+class CostKind(StrKind):
+    """What the cost model says a node is: the resource it spends its time on."""
+
+    COMPUTE = "compute"    # arithmetic-bound: intensity above the device's ridge point (GEMMs)
+    MEMORY = "memory"      # bandwidth-bound: below it (norms, activations, elementwise ops)
+    COMM = "comm"          # a collective
+    VIEW = "view"          # moves no data
 
 
 @dataclass(frozen=True)
@@ -42,16 +52,20 @@ class Cost:
     flops: float
     bytes: float
     seconds: float
-    kind: str
+    kind: CostKind
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CostKind(self.kind))
 
     def __add__(self, other: "Cost") -> "Cost":
+        """The cost of both: the kind of the longer one, or `comm` if either is a collective."""
         kind = self.kind if self.seconds >= other.seconds else other.kind
-        if "comm" in (self.kind, other.kind):
-            kind = "comm"
+        if CostKind.COMM in (self.kind, other.kind):
+            kind = CostKind.COMM
         return Cost(self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds, kind)
 
 
-ZERO = Cost(0.0, 0.0, 0.0, "view")
+ZERO = Cost(0.0, 0.0, 0.0, CostKind.VIEW)
 
 _MATMULS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
 _MATMULS_WITH_BIAS = frozenset({"aten.addmm", "aten.baddbmm"})     # the bias comes first, then the factors
@@ -101,7 +115,7 @@ def node_cost(node: fx.Node, roofline: Roofline = H200) -> Cost:
         return ZERO
     moved = float(sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs))
     if ops.is_collective(node.target):
-        return Cost(0.0, moved, moved / roofline.bandwidth + roofline.launch_seconds, "comm")
+        return Cost(0.0, moved, moved / roofline.bandwidth + roofline.launch_seconds, CostKind.COMM)
     info = ops.op_info(node.target)
     packet = info.packet if info is not None else ""
     dtype = outputs[0].dtype if outputs else torch.float32
@@ -114,5 +128,5 @@ def node_cost(node: fx.Node, roofline: Roofline = H200) -> Cost:
     else:
         flops, rate = float(sum(t.numel() for t in outputs)), roofline.vector_flops
     seconds = max(flops / rate, moved / roofline.bandwidth) + roofline.launch_seconds
-    kind = "compute" if flops / max(moved, 1.0) >= rate / roofline.bandwidth else "memory"
+    kind = CostKind.COMPUTE if flops / max(moved, 1.0) >= rate / roofline.bandwidth else CostKind.MEMORY
     return Cost(flops, moved, seconds, kind)

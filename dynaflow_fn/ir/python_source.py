@@ -7,10 +7,10 @@ named after the program, one statement per node, each calling its aten overload 
 exactly what a call computes; running it checks that reading.
 
 Tensors the program holds rather than receives cannot be spelled as literals: the tensors the
-function closes over (captured inputs) and the graph's own constants (a literal `torch.tensor`
+function closes over (closed-over inputs) and the graph's own constants (a literal `torch.tensor`
 inside the function). They become keyword-only parameters with the names the program prints, and
 `Program.constants()` gives their values, so `fn(*tensor_inputs, **program.constants())` computes
-what `program(*args)` does, reading captured tensors in place as the Program does.
+what `program(*args)` does, reading closed-over tensors as they are then, as the Program does.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ _SPELLED_BY_REPR = (bool, int, float, str, type(None), torch.dtype, torch.layout
 
 def python_source(program: Program, header: Sequence[str]) -> str:
     """The source of `program` as one function, under the comment lines `header`."""
-    captured = program.captured_placeholders()
-    inputs = [p.name for p in program.placeholders() if p not in captured]
+    closed_over = program.closed_over_placeholders()
+    inputs = [p.name for p in program.placeholders() if p not in closed_over]
     constants = list(program.constants())
     parameters = inputs + (["*", *constants] if constants else [])
     signature = ", ".join(parameters)

@@ -149,6 +149,15 @@ def is_static_leaf(leaf: Any) -> bool:
     return True
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of `shape`."""
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """The abstract value of a tensor: everything tracing needs, no data. Usable in place of a tensor."""

@@ -44,13 +44,13 @@ class Binding:
         self.module_modes = tuple(module_modes)
         self.positions = inputs.positions
         self.pick_tensors = picker(inputs.positions)
-        self.closed_over = [c.tensor for c in plan.captured]
+        self.closed_over = [c.tensor for c in plan.closed_over]
         self.closed_over_specs = [TensorSpec.of(t) for t in self.closed_over]
         arguments = len(inputs.positions)
         self.written = plan.written_inputs()
         self.declared_resident = (inputs.donated | inputs.persistent | set(self.written)
                                   | set(range(arguments, arguments + len(self.closed_over))))
-        self.names = list(inputs.names) + [c.name for c in plan.captured]
+        self.names = list(inputs.names) + [c.name for c in plan.closed_over]
         returned_inputs = set(plan.input_slots)
         self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
         self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0

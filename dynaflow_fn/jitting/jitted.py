@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..errors import InPlaceInputMoved
+from ..errors import ResidentInputMoved
 from ..ir.program import Program
 from ..ir.tree import Flat
 from ..plan.plan import Plan
@@ -81,7 +81,7 @@ class Jitted:
                 outputs = last.replay(leaves)
                 self.hits += 1
                 return outputs
-            except InPlaceInputMoved:
+            except ResidentInputMoved:
                 pass
         flat = Flat(args, kwargs, leaves, treedef)
         signature = CallSignature.of(flat, state)

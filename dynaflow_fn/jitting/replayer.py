@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import compat, distributed
-from ..errors import InPlaceInputMoved, warn
+from ..errors import ResidentInputMoved, warn
 from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from .binding import Binding
@@ -62,7 +62,7 @@ class Replayer:
         return outputs
 
     def replay(self, leaves: Sequence[Any]) -> Any:
-        """Run on leaves that `guard` admitted. Raises InPlaceInputMoved if a resident input has new
+        """Run on leaves that `guard` admitted. Raises ResidentInputMoved if a resident input has new
         memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. The
         guard vouches that its versioned inputs are the tensors of a call already checked for
         aliasing, unchanged, so only the others are compared with what the plan writes."""
@@ -89,7 +89,7 @@ class Replayer:
         executable = self.executable or self._build(tensors, None, resident)
         try:
             outputs = executable(tensors)
-        except InPlaceInputMoved:
+        except ResidentInputMoved:
             if not rebuild_if_moved:
                 raise
             outputs = self._build(tensors, executable, resident)(tensors)
@@ -128,7 +128,7 @@ class Replayer:
         second time is a per-call tensor in a resident's position (a new tensor passed where state was
         expected): capturing on every call would cost far more than copying it, so from then on it is
         copied in, which computes the same, and a warning says how to keep it resident."""
-        for i in moved_from.in_place:
+        for i in moved_from.resident:
             if tensors[i].data_ptr() == moved_from.addresses[i]:
                 continue
             if i in self.moved and i not in self.copied_anyway:
@@ -147,7 +147,7 @@ class Replayer:
         resident ones' addresses, so resident inputs of an admitted call occupy the very bytes they did
         in this call: only the copied-in ones need comparing with the written ones for aliasing."""
         binding = self.binding
-        resident = set(getattr(self.executable, "in_place", ()))
+        resident = set(getattr(self.executable, "resident", ()))
         self.changing = (None if not set(binding.written) <= resident
                          else [i for i in range(len(binding.names)) if i not in resident])
         return Guard(treedef, leaves, state, [m for m, _ in binding.module_modes], binding.closed_over)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from ..plan.plan import StorageKind
 from .draft import PlanDraft
+from .sub_pass import sub_pass
 
 
-def bind(draft: PlanDraft) -> None:
+@sub_pass("bind", reads=("program",), writes=("storages", "slots", "storage_of_key", "slot_of", "input_slots"))
+def bind(draft: PlanDraft) -> bool:
     program = draft.program
     for index, node in enumerate(program.placeholders()):
         draft.input_slots.append(draft.slot_for_value(node, 0, node.meta["val"], True, StorageKind.INPUT,
@@ -15,3 +17,4 @@ def bind(draft: PlanDraft) -> None:
     for node in program.graph.nodes:
         if node.op == "get_attr":
             draft.slot_for_value(node, 0, node.meta["val"], True, StorageKind.CONSTANT, constant=node.target)
+    return bool(draft.slots)

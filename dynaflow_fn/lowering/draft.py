@@ -1,10 +1,11 @@
 """The Plan under construction, shared by lowering's sub-passes.
 
-Each sub-pass reads what the earlier ones decided and adds its own part: slots and storages (bind,
-kernels, outputs), the steps (kernels, outputs; elide copies removes some, synchronize adds fork, join
-and events), the happens-before order of the final steps (synchronize), and the final storages with
-their arena offsets (place buffers). Storages stay drafts until then because copy elision places
-some inside others.
+Each sub-pass reads what the earlier ones decided and adds its own part, as it declares
+(`sub_pass`): slots and storages (bind, emit steps, outputs), the steps (emit steps, outputs; elide
+copies removes some, synchronize adds fork, join and events), the happens-before order of the final
+steps (synchronize), and the final storages with their arena offsets (place buffers). Storages stay
+drafts until then because copy elision places some inside others. `print(draft)` shows the slots and
+steps so far.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import fx
 from ..compat import StorageWeakRef
 from ..ir.program import Program
 from ..plan.ordering import Clocks
-from ..plan.plan import Layout, Ref, Slot, Step, StepKind, Storage, StorageKind
+from ..plan.plan import Layout, Ref, Slot, Step, StepKind, Storage, StorageKind, format_step
 
 UNNUMBERED = -1   # the index of a step until synchronize numbers the final list
 
@@ -54,12 +55,13 @@ class PlanDraft:
     input_slots: list[int] = field(default_factory=list)
     output_slots: list[int] = field(default_factory=list)
     issue_order: list[fx.Node] = field(default_factory=list)
-    inplace: set[fx.Node] = field(default_factory=set)
+    inplace: set[fx.Node] = field(default_factory=set)   # nodes that run as their inplace variant (reinplace)
     setup: list[Step] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     num_events: int = 0
-    clocks: Clocks | None = None              # happens-before of the final steps (synchronize)
-    placed_storages: tuple[Storage, ...] = ()  # the final storages (place buffers)
+    clocks: Clocks | None = None                         # happens-before of the final steps (synchronize)
+    placed_storages: tuple[Storage, ...] = ()            # the final storages (place buffers)
+    placed_slots: tuple[Slot, ...] = ()                  # the slots, re-pointed into those (place buffers)
     arena_nbytes: int = 0
 
     def new_storage(self, draft: StorageDraft) -> int:
@@ -99,6 +101,27 @@ class PlanDraft:
             storage = self.storages[storage].parent
         start, end = slot.byte_range()
         return storage, (start + offset, end + offset)
+
+    def place(self, slot_index: int) -> str:
+        """Where a slot lives so far: its storage by kind and index (`arena3`), and the storage an
+        elided `cat` placed that one in."""
+        slot = self.slots[slot_index]
+        text = f"{self.storages[slot.storage].kind.value}{slot.storage}"
+        top, (start, _) = self.memory_span(slot_index)
+        return text if top == slot.storage else f"{text} in {self.storages[top].kind.value}{top}+{start}"
+
+    def __str__(self) -> str:
+        """The slots and steps so far: what the sub-passes that ran have decided."""
+        steps = len(self.setup) + len(self.steps)
+        lines = [f"# draft of {self.program.name}: {len(self.slots)} slots, {len(self.storages)} storages, "
+                 f"{steps} steps ({len(self.setup)} at setup)", "slots:"]
+        lines += [f"    {slot.name}: {slot.layout}  {self.place(slot.index)}" for slot in self.slots]
+        if self.setup:
+            lines.append("setup:")
+            lines += ["    " + format_step(step, self.slots, self.place) for step in self.setup]
+        lines.append("steps:")
+        lines += ["    " + format_step(step, self.slots, self.place) for step in self.steps]
+        return "\n".join(lines)
 
 
 def _result_name(node: fx.Node, index: int) -> str:

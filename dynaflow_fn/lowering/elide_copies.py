@@ -1,20 +1,22 @@
 """Elide copies: remove a `cat` whose inputs are each the whole result of one kernel.
 
 Each input is planned straight into its slice of the `cat` output (its storage gets the output's as
-parent, at a byte offset), so the kernels write the concatenation in place and micro-batch merges
-copy nothing.
+parent, at a byte offset), so the kernels write the concatenation where it lives and micro-batch
+merges copy nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ir.program import contiguous_strides
+from ..ir.tree import contiguous_strides
 from ..plan.plan import Layout, Step, StepKind, StorageKind
 from .draft import PlanDraft
+from .sub_pass import sub_pass
 
 
-def elide_copies(draft: PlanDraft) -> None:
+@sub_pass("elide copies", reads=("steps", "slots", "storages"), writes=("steps", "storages"))
+def elide_copies(draft: PlanDraft) -> bool:
     elided: set[int] = set()
     for position, step in enumerate(draft.steps):
         if step.kind is StepKind.KERNEL and step.op is torch.ops.aten.cat.out:
@@ -27,6 +29,7 @@ def elide_copies(draft: PlanDraft) -> None:
                 storage.parent, storage.parent_offset = target, offset
             elided.add(position)
     draft.steps = [step for position, step in enumerate(draft.steps) if position not in elided]
+    return bool(elided)
 
 
 def _cat_members(draft: PlanDraft, step: Step) -> list[tuple[int, int]] | None:

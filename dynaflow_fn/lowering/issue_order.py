@@ -12,10 +12,14 @@ from torch import fx
 from ..errors import ScheduleError
 from ..ir.program import Program, info
 from .draft import PlanDraft
+from .sub_pass import sub_pass
 
 
-def issue_order(draft: PlanDraft) -> None:
+@sub_pass("issue order", reads=("program",), writes=("issue_order",))
+def issue_order(draft: PlanDraft) -> bool:
+    """The nodes in issue order; a change only where the program carries a schedule (else trace order)."""
     draft.issue_order = checked_issue_order(draft.program)
+    return draft.program.is_scheduled()
 
 
 def checked_issue_order(program: Program) -> list[fx.Node]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..plan.plan import Storage, StorageKind
 from .draft import PlanDraft
+from .sub_pass import sub_pass
 
 ALIGNMENT = 256
 
@@ -66,8 +67,11 @@ def _best_gap(starts: np.ndarray, ends: np.ndarray, size: int) -> int:
     return int(cursor if best is None else best)
 
 
-def place_buffers(draft: PlanDraft) -> None:
-    """Renumber the storages that remain, give arena buffers their offsets, and re-point slots."""
+@sub_pass("place buffers", reads=("storages", "steps", "slots", "clocks"),
+          writes=("placed_storages", "placed_slots", "arena_nbytes"))
+def place_buffers(draft: PlanDraft) -> bool:
+    """Renumber the storages that remain, give arena buffers their offsets, and re-point the slots
+    into them; a change where there are arena buffers to place."""
     top = [i for i, s in enumerate(draft.storages) if s.parent is None]
     accesses: dict[int, set[int]] = defaultdict(set)
     for step in draft.steps:
@@ -88,5 +92,6 @@ def place_buffers(draft: PlanDraft) -> None:
     for slot in draft.slots:
         storage, span = draft.memory_span(slot.index)
         slots.append(replace(slot, storage=new_index[storage], byte_offset=span[0] - slot.byte_range()[0]))
-    draft.slots = slots
+    draft.placed_slots = tuple(slots)
     draft.arena_nbytes = layout.nbytes
+    return bool(used)

@@ -43,7 +43,8 @@ _OUT_CALL_VERDICTS = _VerdictCache()
 
 
 def out_call_is_faithful(node: fx.Node, variant: ops.OutVariant) -> bool:
-    """Run the out= overload on fake tensors: it must write the functional result's exact layout in place."""
+    """Run the out= overload on fake tensors: it must write the functional result's exact layout into
+    the buffer it is given."""
     values = flat_values(node)
     fake_mode = getattr(values[0], "fake_mode", None)
     if fake_mode is None:

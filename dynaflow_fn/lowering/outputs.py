@@ -11,12 +11,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ir.program import contiguous_strides
+from ..ir.tree import contiguous_strides
 from ..plan.plan import Layout, Ref, Slot, StepKind, StorageKind
 from .draft import PlanDraft, StorageDraft, new_step
+from .sub_pass import sub_pass
 
 
-def outputs(draft: PlanDraft) -> None:
+@sub_pass("outputs", reads=("program", "donate", "slot_of", "input_slots", "slots", "storages", "steps"),
+          writes=("steps", "storages", "slots", "output_slots"))
+def outputs(draft: PlanDraft) -> bool:
     results = list(draft.program.output_node().args[0])
     output_slots = [draft.slot_of[(node, 0)] for node in results]
     for out_index, in_index in sorted(draft.donate.items()):
@@ -35,6 +38,7 @@ def outputs(draft: PlanDraft) -> None:
         elif storage.kind in (StorageKind.INPUT, StorageKind.CONSTANT):
             output_slots[out_index] = _copy_to_output(draft, slot, results[out_index].name)
     draft.output_slots = output_slots
+    return bool(output_slots)
 
 
 def _copy_to_output(draft: PlanDraft, slot: Slot, name: str) -> int:

@@ -2,7 +2,7 @@
 
 A training step that donates its parameters and optimizer state ends with chains such as
 `p1 = _foreach_mul(params, c); p2 = _foreach_sub(p1, update)`, whose result lowering would copy back
-into the donated `params`. Running those ops in place (`_foreach_mul_(params, c)`, then
+into the donated `params`. Running those ops inplace (`_foreach_mul_(params, c)`, then
 `_foreach_sub_`) leaves the result already in `params`: no copy, no intermediate buffers.
 
 An op `b = f(a, ...)` runs as `f_(a, ...)` when `f_` exists, `b` has `a`'s shape, strides and dtype,
@@ -29,10 +29,11 @@ from ..ir.tree import TensorSpec
 from ..plan.plan import Layout
 from .draft import PlanDraft
 from .out_kernels import allocates
+from .sub_pass import sub_pass
 
 
 def mutated_arguments(node: fx.Node) -> list[object]:
-    """The argument nodes the in-place variant of `node` writes, flattened in the order of its results."""
+    """The argument nodes the inplace variant of `node` writes, flattened in the order of its results."""
     written = sum(1 for a in ops.op_info(ops.inplace_variant(node.target)).arguments if a.written)
     flat: list[object] = []
     for arg in node.args[:written]:
@@ -62,17 +63,19 @@ class _Aliases:
             self.parent[node] = into
 
 
-def reinplace(draft: PlanDraft) -> None:
-    """Choose the nodes the kernels sub-pass runs in place."""
+@sub_pass("reinplace", reads=("program", "donate", "issue_order"), writes=("inplace",))
+def reinplace(draft: PlanDraft) -> bool:
+    """Choose the nodes that emit steps runs as their inplace variants."""
     program = draft.program
     placeholders = program.placeholders()
     donated = {placeholders[i] for i in draft.donate.values()}
     draft.inplace = plan_inplace(draft.issue_order, list(program.output_node().args[0]), donated, allocates)
+    return bool(draft.inplace)
 
 
 def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: set[fx.Node],
                  allocates: Callable[[fx.Node], bool]) -> set[fx.Node]:
-    """The nodes to run in place, given the issue order, the returned nodes and the donated inputs."""
+    """The nodes to run inplace, given the issue order, the returned nodes and the donated inputs."""
     aliases = _Aliases()
     for node in order:
         if node.target is torch.ops.aten.cat.default:
@@ -144,7 +147,7 @@ def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object
 
 
 def _merge_results(node: fx.Node, roots: list[fx.Node], aliases: _Aliases, last_read: dict, returned: set) -> None:
-    """After `node` runs in place, each of its results lives in the memory of the argument it mutated."""
+    """After `node` runs inplace, each of its results lives in the memory of the argument it mutated."""
     for result, flat_index in _result_nodes(node):
         root = roots[flat_index]
         result_root = aliases.root(result)

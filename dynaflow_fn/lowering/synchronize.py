@@ -18,16 +18,21 @@ from ..ir.program import info
 from ..plan.ordering import Clocks
 from ..plan.plan import Step, StepKind
 from .draft import PlanDraft, new_step
+from .sub_pass import sub_pass
 
 
-def synchronize(draft: PlanDraft) -> None:
+@sub_pass("synchronize", reads=("program", "steps", "slots", "storages"), writes=("steps", "num_events", "clocks"))
+def synchronize(draft: PlanDraft) -> bool:
+    """Number the steps and order them; a change where they use several streams (fork, join, events)."""
     steps = draft.steps
-    if any(s.stream != 0 for s in steps):
+    several_streams = any(s.stream != 0 for s in steps)
+    if several_streams:
         steps = [new_step(StepKind.FORK, 0), *steps, new_step(StepKind.JOIN, 0)]
     waits, records, draft.num_events = _events(steps, _dependencies(draft, steps), len(draft.program.streams))
     draft.steps = [replace(step, index=i, waits=tuple(waits[i]), records=tuple(records[i]))
                    for i, step in enumerate(steps)]
     draft.clocks = Clocks(draft.steps, len(draft.program.streams))
+    return several_streams
 
 
 def _events(steps: list[Step], deps: list[set[int]], num_streams: int) -> tuple[list[list[int]], list[list[int]], int]:

@@ -11,7 +11,7 @@ What stays aten:
 
 * collectives and their waits (lowering puts them on the comm stream and orders their readers);
 * random ops (Inductor draws different numbers than eager);
-* multi-tensor optimizer updates (`_foreach_*`, `_fused_adamw`), which lowering runs in place on
+* multi-tensor optimizer updates (`_foreach_*`, `_fused_adamw`), which lowering runs inplace on
   donated parameters and state;
 * the write-back of a mutated input (a `copy_` into an argument);
 * work that depends on no input (lowering computes it once, at setup);
@@ -83,6 +83,8 @@ class InductorPass(Pass):
                 target = CompiledRun(f"inductor_{len(calls)}", graph_module, cache[key])
                 calls.append(_Call(run, inputs, outputs, target))
         self.compiled, self.fallbacks = len(calls), len(runs) - len(calls)
+        if not calls:
+            return record(program, program, self)
         new_graph = _rewrite(program, calls)
         return record(program, program.with_graph(fx.GraphModule(program.graph_module, new_graph)), self)
 

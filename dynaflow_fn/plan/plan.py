@@ -4,19 +4,21 @@ A Plan says, for one set of input shapes, exactly what runs: each step's stream,
 output slots and the events it waits for and records. Memory is described by `Storage`s (the caller's
 inputs, one arena of scratch memory at fixed offsets, outputs, constants, and results of ops that
 still allocate) and `Slot`s (tensor views into a storage). Backends only interpret this data.
+`print(plan)` lists it under the header a Program prints too (`ir.formatting`).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
 
-from ..ir.formatting import format_arg, op_name
-from ..ir.program import Captured, InputSpec, OutputSpec, Program, Stream, dtype_name
+from ..ir.formatting import dtype_name, format_arg, format_bytes, header, op_name
+from ..ir.program import Stream
+from ..ir.signature import HasSignature, Signature
 from ..ir.tree import TensorSpec
 
 
@@ -138,27 +140,22 @@ def step_writes(kind: StepKind, outputs: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A static schedule for one input signature. `print(plan)` shows streams, steps and buffers."""
+class Plan(HasSignature):
+    """A static schedule for one input signature of the traced function whose `Signature` it keeps.
+    `print(plan)` shows streams, steps and buffers."""
 
-    name: str
-    device: torch.device
+    signature: Signature
     streams: tuple[Stream, ...]
     storages: tuple[Storage, ...]
     slots: tuple[Slot, ...]
     setup: tuple[Step, ...]
     steps: tuple[Step, ...]
     num_events: int
-    input_slots: tuple[int, ...]
+    input_slots: tuple[int, ...]      # the flat tensor inputs: the arguments', then the closed-over ones
     output_slots: tuple[int, ...]
     arena_nbytes: int
-    inputs: tuple[InputSpec, ...]
-    in_tree: optree.PyTreeSpec
-    outputs: tuple[OutputSpec, ...]
-    out_tree: optree.PyTreeSpec
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     provenance: tuple[str, ...] = ()
-    captured: tuple[Captured, ...] = field(default=(), compare=False)   # the last tensor inputs (closure.py)
 
     # --- summaries ------------------------------------------------------------------------------
 
@@ -180,7 +177,9 @@ class Plan:
     def storage_bytes(self, kind: StorageKind) -> int:
         return sum(s.nbytes for s in self.storages if s.kind is kind)
 
-    unflatten_outputs = Program.unflatten_outputs   # the same outputs and out_tree, so the same rule
+    def closed_over_slots(self) -> tuple[int, ...]:
+        """The input slots bound to the `closed_over` tensors, which come after the arguments'."""
+        return self.input_slots[len(self.input_slots) - len(self.closed_over):]
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -190,44 +189,35 @@ class Plan:
                 f"arena {format_bytes(self.arena_nbytes)}>")
 
 
-def format_bytes(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes:.0f} B"
-    size = nbytes / 1024
-    for unit in ("KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
+# --- printing: the header is the one Programs print (ir.formatting); the steps are the Plan's own ---
 
 
-def _format_value(plan: Plan, value: Any) -> str:
-    if isinstance(value, Ref):
-        return plan.slots[value.slot].name
-    if isinstance(value, (list, tuple)):
-        inner = ", ".join(_format_value(plan, v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    return format_arg(value)
-
-
-def format_step(plan: Plan, step: Step) -> str:
-    outs = ", ".join(plan.slots[i].name for i in step.outputs)
+def format_step(step: Step, slots: Sequence[Slot], place: Callable[[int], str]) -> str:
+    """One step as a line: its stream, the events it waits for, the call with slots by name, where a
+    kernel writes (`place` of each output slot), what it is, and the events it records."""
+    outs = ", ".join(slots[i].name for i in step.outputs)
     sync = "".join(f" wait(e{e})" for e in step.waits)
     after = "".join(f" record(e{e})" for e in step.records)
     if step.kind in (StepKind.FORK, StepKind.JOIN):
         return f"s{step.stream}  {step.kind.value}{sync}{after}"
-    args = [_format_value(plan, a) for a in step.args] + [f"{k}={_format_value(plan, v)}" for k, v in step.kwargs.items()]
+    literal = lambda value: slots[value.slot].name if isinstance(value, Ref) else repr(value)
+    args = [format_arg(a, literal) for a in step.args]
+    args += [f"{k}={format_arg(v, literal)}" for k, v in step.kwargs.items()]
     if step.kind is StepKind.COPY:
         call = f"{outs}.copy_({args[1]})"
     else:
         call = f"{outs} = {op_name(step.op)}({', '.join(args)})"
     where = ""
     if step.kind is StepKind.KERNEL:
-        where = "  -> " + ", ".join(_slot_place(plan, i) for i in step.outputs)
+        where = "  -> " + ", ".join(place(i) for i in step.outputs)
     tag = {StepKind.ALLOC: "  [allocates]", StepKind.COPY: "  [copy]", StepKind.VIEW: "  [view]"}.get(step.kind, "")
     note = f"  ({step.note})" if step.note else ""
     carveout = f"  [leaves {step.sm_carveout} SMs]" if step.sm_carveout else ""
     return f"s{step.stream} {sync.strip()+' ' if sync else ''}{call}{where}{tag}{carveout}{note}{after}"
+
+
+def format_plan_step(plan: Plan, step: Step) -> str:
+    return format_step(step, plan.slots, lambda slot_index: _slot_place(plan, slot_index))
 
 
 def _slot_place(plan: Plan, slot_index: int) -> str:
@@ -242,10 +232,9 @@ def format_plan(plan: Plan) -> str:
     arena = [s for s in plan.storages if s.kind is StorageKind.ARENA]
     outputs = [s for s in plan.storages if s.kind is StorageKind.OUTPUT]
     allocs, copies = plan.allocating_steps(), plan.copy_steps()
-    lines = [
-        f"# Plan {plan.name} on {plan.device}  passes: {' -> '.join(plan.provenance)}",
-        "# streams: " + ", ".join(f"s{s.index}={s.name}" + (f"(priority {s.priority})" if s.priority else "")
-                                  for s in plan.streams),
+    lines = header(f"Plan {plan.name} on {plan.device}", plan.provenance, plan.streams, plan.signature,
+                   [plan.slots[i].name for i in plan.closed_over_slots()])
+    lines += [
         f"# {len(plan.steps)} steps, {len(plan.kernel_steps())} launch kernels, {plan.num_events} events",
         f"# arena: {format_bytes(plan.arena_nbytes)} holding {len(arena)} buffers "
         f"({format_bytes(plan.storage_bytes(StorageKind.ARENA))} unshared); outputs: {len(outputs)} buffers, "
@@ -255,9 +244,9 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.setup:
         lines.append(f"# setup (once, when bound): {len(plan.setup)} steps")
-        lines += ["    " + format_step(plan, s) for s in plan.setup]
+        lines += ["    " + format_plan_step(plan, s) for s in plan.setup]
     lines.append("steps:")
-    lines += ["    " + format_step(plan, s) for s in plan.steps]
+    lines += ["    " + format_plan_step(plan, s) for s in plan.steps]
     if arena:
         lines.append("arena buffers:")
         for storage in sorted(arena, key=lambda s: (s.offset, s.index)):

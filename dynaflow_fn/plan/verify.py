@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InputError, VerificationError
 from ..ir.program import Program
 from .ordering import Clocks
-from .plan import Plan, StepKind, StorageKind, format_step
+from .plan import Plan, StepKind, StorageKind, format_plan_step
 
 
 def verify(plan: Plan) -> Plan:
@@ -49,7 +49,7 @@ def _not_a_plan(value: Any) -> str:
 
 
 def _describe(plan: Plan, index: int) -> str:
-    return f"step {index} ({format_step(plan, plan.steps[index]).strip()})"
+    return f"step {index} ({format_plan_step(plan, plan.steps[index]).strip()})"
 
 
 def _check_events(plan: Plan) -> list[str]:

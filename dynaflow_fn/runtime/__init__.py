@@ -1,1 +1,1 @@
-"""Backends that run a Plan: `eager` interprets it, `cudagraph` captures it once and replays it."""
+"""Runtimes that run a Plan: `eager` interprets it, `cudagraph` captures it once and replays it."""

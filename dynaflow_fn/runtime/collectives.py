@@ -9,7 +9,7 @@ from ..compat import resolve_process_group
 
 
 def all_reduce_on_current_stream(tensor: Tensor, reduce_op: str, group_name: str) -> Tensor:
-    """How a plan runs an in-place all-reduce (`_c10d_functional.all_reduce_`): through c10d's blocking
+    """How a plan runs an inplace all-reduce (`_c10d_functional.all_reduce_`): through c10d's blocking
     call, which launches NCCL on the current stream, i.e. the plan's comm stream with its priority.
     The functional op would launch on the process group's internal stream and join back through two
     events, which a CUDA graph keeps as cross-stream edges on every collective."""

@@ -1,13 +1,13 @@
-"""The cudagraph backend: capture the whole multi-stream Plan once into one CUDA graph; replay it.
+"""The cudagraph runtime: capture the whole multi-stream Plan once into one CUDA graph; replay it.
 
 At bind time every tensor the plan touches gets a fixed address: the arena, the output buffers, and a
-static buffer per input. Some inputs are *read in place*: `nn.Parameter`s, donated and persistent
+static buffer per input. Some inputs are *resident*: `nn.Parameter`s, donated and persistent
 arguments and the tensors the function closes over; the graph reads (and, for donated ones, writes)
-the caller's own tensor, so they are never copied. Other inputs are copied into their static buffers
-before each replay. If such a tensor later arrives at a different address, the executable
-reports it and `jit` captures again.
+the caller's own tensor at its own address, so they are never copied. The others are *copied in*:
+copied into their static buffers before each replay. If a resident tensor later arrives at a
+different address, the executable reports it and `jit` captures again.
 
-A call is: copy the inputs not read in place, replay, then clone the outputs (or hand out the static
+A call is: copy the copied-in inputs, replay, then clone the outputs (or hand out the static
 outputs themselves when the caller asked for them; the next call overwrites those). Calls take turns
 (`Turns`): the static buffers are shared. Capture restricts only its own thread's CUDA calls
 ("thread_local" mode), so other threads keep running CUDA work while a plan is captured.
@@ -32,28 +32,30 @@ from typing import Any, Sequence
 import torch
 
 from .. import compat
-from ..errors import InPlaceInputMoved
+from ..errors import ResidentInputMoved
 from ..plan.plan import Plan
 from .interpreter import BoundPlan
 from .turns import Turns
 
 
 class CudaGraphExecutable:
-    """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring)."""
+    """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring).
+
+    `resident` says per input whether the graph reads it at its own address (else it is copied in)."""
 
     def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
-                 in_place: Sequence[bool], static_outputs: bool = False):
+                 resident: Sequence[bool], static_outputs: bool = False):
         self.plan = plan
         self.static_outputs = static_outputs
         self.bound = BoundPlan(plan, device)
-        self.static_inputs = [tensor if read_in_place else torch.empty_strided(tensor.shape, tensor.stride(),
-                                                                          dtype=tensor.dtype, device=device)
-                              for tensor, read_in_place in zip(inputs, in_place)]
-        self.copied = [i for i, read_in_place in enumerate(in_place) if not read_in_place]
-        self.in_place = [i for i, read_in_place in enumerate(in_place) if read_in_place]
-        self.addresses = [tensor.data_ptr() if read_in_place else None for tensor, read_in_place in zip(inputs, in_place)]
+        self.static_inputs = [tensor if is_resident else torch.empty_strided(tensor.shape, tensor.stride(),
+                                                                             dtype=tensor.dtype, device=device)
+                              for tensor, is_resident in zip(inputs, resident)]
+        self.copied = [i for i, is_resident in enumerate(resident) if not is_resident]
+        self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
+        self.addresses = [tensor.data_ptr() if is_resident else None for tensor, is_resident in zip(inputs, resident)]
         self.written_inputs = plan.written_inputs()
-        self.write_back = [i for i in self.written_inputs if not in_place[i]]
+        self.write_back = [i for i in self.written_inputs if not resident[i]]
         self.env = self.bound.new_env(self.static_inputs)
         self.bound.allocate_outputs(self.env)
         input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
@@ -95,8 +97,8 @@ class CudaGraphExecutable:
                 self.static_inputs[i].copy_(source.detach() if source.requires_grad else source)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        if not compat.data_ptrs_equal(inputs, self.addresses, self.in_place):
-            raise InPlaceInputMoved()
+        if not compat.data_ptrs_equal(inputs, self.addresses, self.resident):
+            raise ResidentInputMoved()
         with self.turns:
             self._load_inputs(inputs)
             self.graph.replay()

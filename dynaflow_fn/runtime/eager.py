@@ -1,4 +1,4 @@
-"""The eager backend: interpret the Plan on every call, on any device.
+"""The eager runtime (the interpreter): interpret the Plan on every call, on any device.
 
 On CUDA each plan stream is a real stream, so overlap happens; on the CPU steps run in issue order.
 Outputs are allocated fresh on every call, so they alias nothing. Calls take turns (`Turns`): the

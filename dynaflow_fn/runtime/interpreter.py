@@ -1,4 +1,4 @@
-"""Interpreting a Plan: memory binding and step execution shared by every backend.
+"""Interpreting a Plan: memory binding and step execution shared by every runtime.
 
 `BoundPlan` allocates what a plan needs once (the arena, constants, the results of `setup`) and turns
 each step into a small closure over slot indices, so running a plan is a loop of closure calls. On
@@ -133,7 +133,7 @@ def _release_schedule(plan: Plan) -> tuple[list[list[int]], list[list[int]]]:
 
 
 class BoundPlan:
-    """A plan with its arena, constants and setup results in place, ready to run many times."""
+    """A plan with its arena, constants and setup results allocated and computed, ready to run many times."""
 
     def __init__(self, plan: Plan, device: torch.device):
         self.plan = plan

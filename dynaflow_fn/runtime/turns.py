@@ -1,6 +1,6 @@
 """Calls of one executable take turns.
 
-An executable owns memory that every call reuses: the arena, and on the CUDA-graph backend the static
+An executable owns memory that every call reuses: the arena, and on the cudagraph runtime the static
 input and output buffers. Two threads calling at once would write each other's inputs and read each
 other's results, so calls hold a lock. On CUDA the lock is not enough: a call only enqueues work, so
 the next call, if it comes from another stream (another thread's, or one the caller switched to),

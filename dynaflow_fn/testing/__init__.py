@@ -10,7 +10,8 @@ correct in your unit tests.
 
 Writing a transform: subclass `T.Pass` with `apply(program) -> Program`, returning a new Program
 (`program.annotate(update)` or `program.with_graph(graph_module)`; never mutate the input) stamped
-by `T.record(program, new, self)`, and `describe()`, the line `print(program)` lists under "passes".
+by `T.record(program, new, self)`, and `describe()`, the line `print(program)` lists under "passes"
+(a pass that finds nothing to change returns `T.record(program, program, self)`, and adds no line).
 `T.apply_transform(fn, MyPass())` attaches it to a function
 (a `T.Transformed`), to a Program, or, with fn None, returns it as a one-argument transform for
 `T.compose`. A pass whose Program computes values the function's code does not (a substitution) sets

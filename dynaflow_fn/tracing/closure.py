@@ -1,13 +1,14 @@
-"""Tensors a traced function closes over become inputs of its Program, read in place on every call.
+"""Tensors a traced function closes over become inputs of its Program, read as they are on every call.
 
 `make_fx` records a tensor that the function reads without receiving it as an argument (a weight
 in a closure, a module attribute, a global) as a graph constant holding the tensor itself. Treated as
 a constant, work derived from it would be computed once and go stale when the caller updates the
 tensor in place (an optimizer step, `w.add_(1)`), while direct reads of it see the update: a
-silently half-updated result. So every such tensor is lifted to a *captured input*: a placeholder
-after the argument placeholders, bound on every call to the same tensor object, as JAX's closure
-conversion does. Nothing derived from it is setup work; the CUDA-graph backend reads it at its own
-address; jit's per-call check sees its version counter and address like a parameter's.
+silently half-updated result. So every such tensor is lifted to a *closed-over input*: a
+placeholder after the argument placeholders, bound on every call to the same tensor object, as JAX's
+closure conversion does. Nothing derived from it is setup work; the cudagraph runtime keeps it
+resident (reads it at its own address); jit's per-call check sees its version counter and address
+like a parameter's.
 
 Only the tensors `make_fx` creates itself stay constants: a literal such as `torch.tensor([1., 2.])`
 inside the function is recorded as a constant read through `lift_fresh_copy`, and no caller holds it.
@@ -22,7 +23,7 @@ import torch
 from torch import fx
 
 from ..ir import ops, tree
-from ..ir.program import Captured
+from ..ir.signature import ClosedOver
 
 _LIFT_FRESH = frozenset({"aten.lift_fresh_copy", "aten.lift_fresh"})
 
@@ -32,7 +33,8 @@ def _is_lift_fresh(target: object) -> bool:
     info = ops.op_info(target)
     return info is not None and info.packet in _LIFT_FRESH
 
-def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple[Captured, ...]:
+
+def lift_closed_over(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple[ClosedOver, ...]:
     """Turn the graph's constants that hold caller tensors into placeholders after the existing ones,
     one per distinct tensor, in order of first use. Mutates `graph_module`; returns what was lifted."""
     graph = graph_module.graph
@@ -47,7 +49,7 @@ def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple
         return ()
     names = _names_of(fn, [tensor for tensor, _ in lifted.values()])
     last = [n for n in graph.nodes if n.op == "placeholder"]
-    captured = []
+    closed_over = []
     for (tensor, constants), name in zip(lifted.values(), names):
         anchor = last[-1].next if last else next(iter(graph.nodes))
         with graph.inserting_before(anchor):
@@ -59,14 +61,14 @@ def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple
             graph.erase_node(constant)
             if hasattr(graph_module, constant.target):
                 delattr(graph_module, constant.target)
-        captured.append(Captured(name, tensor))
+        closed_over.append(ClosedOver(name, tensor))
     graph_module.recompile()
-    return tuple(captured)
+    return tuple(closed_over)
 
 
 def _names_of(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> list[str]:
-    """Readable names for captured tensors: where the function's closure or globals hold them
-    (`params['fc.weight']`, `model.norm.weight`, `scale`), else `captured{k}`. Names are unique."""
+    """Readable names for closed-over tensors: where the function's closure or globals hold them
+    (`params['fc.weight']`, `model.norm.weight`, `scale`), else `closed_over{k}`. Names are unique."""
     wanted = {id(t): None for t in tensors}
     for name, value in _closure_variables(fn):
         for path, tensor in _tensors_in(name, value, depth=2):
@@ -74,7 +76,7 @@ def _names_of(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> list[str]:
                 wanted[id(tensor)] = path
     names, used = [], set()
     for k, tensor in enumerate(tensors):
-        name = wanted[id(tensor)] or f"captured{k}"
+        name = wanted[id(tensor)] or f"closed_over{k}"
         while name in used:
             name += "_"
         used.add(name)

@@ -96,7 +96,7 @@ class ScopeRecorder:
             if not stack and id(module) not in self.module_names:
                 self.module_names.update(qualified_names(module))
             name = self.module_names.get(id(module), "")
-            stack.append(self.open("module", name, type(module)))
+            stack.append(self.open(ScopeKind.MODULE, name, type(module)))
 
         def post_hook(module: torch.nn.Module, args: object, output: object) -> None:
             if stack and active_recorder() is self:
@@ -159,5 +159,5 @@ def region(name: str) -> Iterator[None]:
     if recorder is None:
         yield
         return
-    with recorder.scope("region", name):
+    with recorder.scope(ScopeKind.REGION, name):
         yield

@@ -4,7 +4,7 @@ The function is traced with `make_fx` on `FakeTensor`s built from the shapes, st
 devices of the arguments, so tracing never touches real data or device memory: a 7B-parameter model
 whose parameters live on the `meta` device traces on a laptop. When the traced ops
 mutate anything, the recorded graph is traced once more through `torch.func.functionalize`, which
-removes in-place ops; a mutation of an input survives as a final `aten.copy_` into that input.
+removes inplace ops; a mutation of an input survives as a final `aten.copy_` into that input.
 
 Model code that branches on tensor values cannot be traced; the error points at the user's line.
 """
@@ -36,9 +36,10 @@ from ..errors import DynaflowError, InputError, MetaKernelRejection, TraceError,
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
 from ..ir.formatting import op_name
-from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program
+from ..ir.program import NodeInfo, Program
+from ..ir.signature import InputSpec, OutputSpec, Signature, device_of
 from ..ir.tree import TensorSpec
-from .closure import lift_captured
+from .closure import lift_closed_over
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 
@@ -105,19 +106,19 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     fakes = [specs[i].fake(fake_mode) for i in kinds.tensor_positions]
     static_leaves = {i: leaves[i] for i in kinds.static_positions}
 
-    captured: dict[str, Any] = {}
-    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, captured)
+    observed: dict[str, Any] = {}
+    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed)
     with _TRACING, torch.no_grad(), quiet_meta_failures(), _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-        recorder = captured["recorder"]
+        recorder = observed["recorder"]
         scopes = recorder.finish()
-        closed_over = lift_captured(traced, fn)
+        closed_over = lift_closed_over(traced, fn)
         if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
             fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
             traced, scopes = _functionalize(traced, scopes, [specs[i].fake(fresh) for i in kinds.tensor_positions] +
                                             [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
 
-    out_paths, out_leaves, out_tree = captured["out"]
+    out_paths, out_leaves, out_tree = observed["out"]
     outputs = _output_specs(out_paths, out_leaves)
     input_names = [tree.identifier(path_strs[i]) for i in kinds.tensor_positions]
     input_names += [n.name for n in traced.graph.nodes if n.op == "placeholder"][len(input_names):]
@@ -126,25 +127,21 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     tensor_names = dict(zip(kinds.tensor_positions, placeholder_names))
     inputs = tuple(InputSpec(path_strs[i], tensor_names.get(i), static_leaves.get(i)) for i in range(len(leaves)))
     abstract_args, abstract_kwargs = optree.tree_unflatten(in_tree, [specs.get(i, leaf) for i, leaf in enumerate(leaves)])
+    device = device_of([*(specs[i] for i in kinds.tensor_positions), *(c.tensor for c in closed_over)])
     return Program(
         graph_module=graph_module,
-        name=getattr(fn, "__name__", "fn"),
-        inputs=inputs,
-        in_tree=in_tree,
-        outputs=outputs,
-        out_tree=out_tree,
+        signature=Signature(getattr(fn, "__name__", "fn"), inputs, in_tree, outputs, out_tree, device, closed_over),
         provenance=("trace", *provenance),
         source=TraceSource(fn, body, abstract_args, abstract_kwargs),
-        captured=closed_over,
-        module_modes=_module_modes(captured["mode_reads"], recorder.called_modules()),
+        module_modes=_module_modes(observed["mode_reads"], recorder.called_modules()),
     )
 
 
 def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.PyTreeSpec,
-               tensor_positions: Sequence[int], captured: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
+               tensor_positions: Sequence[int], observed: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
     """`body` as a function of the tensor leaves alone, the form make_fx traces. The static leaves
-    are put back in place; what only the run can tell (the scope recorder, the training flags read,
-    the output pytree) is left in `captured`."""
+    are put back in their places; what only the run can tell (the scope recorder, the training flags
+    read, the output pytree) is left in `observed`."""
 
     def flat_body(*tensors: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
@@ -152,12 +149,12 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
             full[position] = tensor
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(current_trace_graph())
-        captured["recorder"] = recorder
+        observed["recorder"] = recorder
         with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
             result = body(*call_args, **call_kwargs)
-        captured["mode_reads"] = dict(mode_reads)
+        observed["mode_reads"] = dict(mode_reads)
         out_paths, out_leaves, out_tree = tree.flatten(result)
-        captured["out"] = (out_paths, out_leaves, out_tree)
+        observed["out"] = (out_paths, out_leaves, out_tree)
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
     return flat_body
@@ -238,7 +235,7 @@ class _ScopeCarrier(fx.Interpreter):
 
 def _functionalize(traced: fx.GraphModule, scopes: dict[fx.Node, tuple],
                    fakes: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, dict[fx.Node, tuple]]:
-    """Trace the recorded aten graph once more through functionalization: in-place ops become
+    """Trace the recorded aten graph once more through functionalization: inplace ops become
     out-of-place ones, and a mutation of an input a final `copy_` into it.
 
     The model itself is traced without functionalization, so library code sees plain FakeTensors and

@@ -27,6 +27,9 @@ from ..tracing.tracer import trace_function
 class Pass(abc.ABC):
     """A Program -> Program rewrite. `describe()` is the provenance line printed with the program.
 
+    A pass that finds nothing to change returns the very Program it was given (through `record`),
+    and then adds no provenance line: a printed program lists only the passes that changed it.
+
     `changes_values` is True for a pass whose Program computes something the function's code does
     not (a substitution): calling the transformed function eagerly then traces it and runs its
     Program, so that the eager call stays the reference for what the jitted one computes."""
@@ -94,8 +97,11 @@ class Transformed:
 
 
 def record(program: Program, new: Program, p: Pass) -> Program:
-    """Stamp a pass's result with its provenance line and remember the pass for re-tracing."""
-    return dataclasses.replace(new, provenance=program.provenance + (p.describe(),), passes=program.passes + (p,))
+    """Stamp a pass's result with its provenance line and remember the pass for re-tracing. A result
+    that is `program` itself changed nothing: it gets no line, but the pass is remembered all the
+    same, since on a program traced again it may find something to do."""
+    provenance = program.provenance if new is program else program.provenance + (p.describe(),)
+    return dataclasses.replace(new, provenance=provenance, passes=program.passes + (p,))
 
 
 def retraced(program: Program, p: Pass, name: str) -> Program:

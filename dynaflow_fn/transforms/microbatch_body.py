@@ -46,7 +46,7 @@ _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batch
 class BodyFacts:
     """shared: output paths (`out[1]`) whose value is the same in every micro-batch and the unsplit one's.
     rows: per output path, how its rows relate to the batch (a `batch_rows` state).
-    warnings: ops and in-place updates whose meaning micro-batching changes, as warning texts."""
+    warnings: ops and inplace updates whose meaning micro-batching changes, as warning texts."""
 
     shared: frozenset[str] = frozenset()
     rows: dict[str, State] = field(default_factory=dict)

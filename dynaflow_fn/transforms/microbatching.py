@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import TransformError, warn
 from ..ir.program import Program
+from ..ir.scopes import ScopeKind
 from ..ir.tree import argument_names, leaf_key, output_path_to_str, path_to_str
 from ..tracing.regions import active_recorder
 from .base import Pass, apply_transform, retraced
@@ -260,7 +261,7 @@ def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, *
         if recorder is None:
             results.append(_call_slice(body, tree, leaves, axes, start, size))
         else:
-            with recorder.scope("microbatch", f"mb{index}", index=index):
+            with recorder.scope(ScopeKind.MICROBATCH, f"mb{index}", index=index):
                 results.append(_call_slice(body, tree, leaves, axes, start, size))
         start += size
     return _merge(p.out_axes, results, chunk_sizes, facts, report)
@@ -351,7 +352,7 @@ def microbatch(fn: Any = None, num: int = 2, in_axes: Any = 0, out_axes: Any = 0
 
     Some computations mean something else on a part of the batch: an op that mixes rows (train-mode
     BatchNorm, a mean over the batch subtracted from the rows, a similarity matrix of rows against
-    rows), an output reduced over the batch but concatenated by out_axes, an in-place update of a
+    rows), an output reduced over the batch but concatenated by out_axes, an inplace update of a
     shared input (it runs once per micro-batch). Tracing the micro-batched function warns about
     each (a UserWarning naming the op and its module) when it can tell; put such layers in eval mode,
     merge losses with "mean" or "sum", or keep those computations outside the micro-batched function.

@@ -17,9 +17,10 @@ from torch import fx
 
 from ..errors import InputError, TransformError
 from ..ir import cost
+from ..ir.cost import CostKind
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
-from ..ir.scopes import Scope
+from ..ir.scopes import Scope, ScopeKind
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Module(Rule):
         object.__setattr__(self, "_regex", regex)
 
     def _matches(self, scope: Scope) -> bool:
-        if scope.kind != "module":
+        if scope.kind is not ScopeKind.MODULE:
             return False
         if self._regex is not None:
             return bool(self._regex.search(scope.name)) or (
@@ -112,7 +113,7 @@ class Module(Rule):
         return None
 
     def unmatched_hint(self, program: Program) -> str:
-        called = {str(scope) for scope in _scopes(program, "module")}
+        called = {str(scope) for scope in _scopes(program, ScopeKind.MODULE)}
         if self._regex is None:
             what = f"no call of a {self.target.__name__} module (or a subclass) ran while tracing"
         else:
@@ -140,12 +141,12 @@ class Region(Rule):
             raise InputError(f"T.Region takes the name given to df.region (a str), got {self.name!r}")
 
     def unmatched_hint(self, program: Program) -> str:
-        seen = {scope.name for scope in _scopes(program, "region")}
+        seen = {scope.name for scope in _scopes(program, ScopeKind.REGION)}
         return f"no `with df.region({self.name!r})` block ran while tracing (regions entered: {_listing(seen)})"
 
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
         for scope in node_info.scopes:
-            if scope.kind == "region" and scope.name == self.name:
+            if scope.kind is ScopeKind.REGION and scope.name == self.name:
                 return scope.instance
         return None
 
@@ -156,7 +157,9 @@ class Region(Rule):
         return f"T.Region({self.name!r})"
 
 
-KINDS = ("compute", "memory", "comm")
+RULE_KINDS = (CostKind.COMPUTE, CostKind.MEMORY, CostKind.COMM)
+"""The kinds a `T.Kind` rule selects: every kind but `view`, since views move no data and never
+start a stage of their own (they join the stage beside them, see `partitioning`)."""
 
 
 def _compile(rule: str, pattern: str) -> re.Pattern:
@@ -169,8 +172,8 @@ def _compile(rule: str, pattern: str) -> re.Pattern:
                              f"meant literally (re.escape, or a backslash in a raw string r'...')") from error
 
 
-def _scopes(program: Program, kind: str) -> list[Scope]:
-    return [scope for node in program.ops() for scope in info(node).scopes if scope.kind == kind]
+def _scopes(program: Program, kind: ScopeKind) -> list[Scope]:
+    return [scope for node in program.ops() for scope in info(node).scopes if scope.kind is kind]
 
 
 def _listing(names: set[str], limit: int = 12) -> str:
@@ -185,14 +188,15 @@ def _listing(names: set[str], limit: int = 12) -> str:
 @dataclass(frozen=True)
 class Kind(Rule):
     """Nodes the cost model gives `kind` ("compute": GEMM-like, "memory": bandwidth-bound, "comm":
-    collectives); each contiguous run is one stage."""
+    collectives; the string or the `CostKind`); each contiguous run is one stage."""
 
-    kind: str
+    kind: CostKind
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kind not in KINDS:
-            raise TransformError(f"T.Kind takes one of {KINDS}, got {self.kind!r}")
+        if self.kind not in RULE_KINDS:
+            raise TransformError(f"T.Kind takes one of {tuple(k.value for k in RULE_KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "kind", CostKind(self.kind))
 
     def match(self, node: fx.Node, node_info: NodeInfo) -> Any:
         return "run" if node_info.kind == self.kind else None
@@ -202,7 +206,7 @@ class Kind(Rule):
         return f"the cost model finds no {self.kind} work in the program (kinds present: {_listing(kinds)})"
 
     def default_tags(self) -> frozenset[str]:
-        return frozenset({self.kind})
+        return frozenset({self.kind.value})
 
     def __str__(self) -> str:
-        return f"T.Kind({self.kind!r})"
+        return f"T.Kind({self.kind.value!r})"

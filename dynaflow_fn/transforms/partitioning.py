@@ -19,6 +19,7 @@ from torch import fx
 
 from ..errors import InputError, TransformError, warn
 from ..ir import cost, ops
+from ..ir.cost import CostKind
 from ..ir.program import NodeInfo, Program, info
 from .base import Pass, apply_transform, record
 from .partition_rules import Rule
@@ -58,7 +59,7 @@ class PartitionPass(Pass):
         return record(program, program.annotate(update), self)
 
 
-def _assign_stages(nodes: Sequence[fx.Node], kinds: dict[fx.Node, str], rules: Sequence[Rule]):
+def _assign_stages(nodes: Sequence[fx.Node], kinds: dict[fx.Node, CostKind], rules: Sequence[Rule]):
     """Stage index per node (dense, in order of first appearance), tags per stage, and hits per rule.
 
     Views move no data, so they never start a stage of their own: a view joins the stage of the node
@@ -74,7 +75,7 @@ def _assign_stages(nodes: Sequence[fx.Node], kinds: dict[fx.Node, str], rules: S
         node_info = info(node).replace(kind=kinds[node])
         mb = node_info.mb
         key = _waited_collective(node, collective_stage) or _rule_key(node, node_info, rules, previous, runs, matched)
-        if key is None and kinds[node] == "view":
+        if key is None and kinds[node] is CostKind.VIEW:
             if mb not in previous:
                 pending[mb].append(node)
                 continue

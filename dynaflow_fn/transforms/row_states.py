@@ -16,6 +16,7 @@ from torch import fx
 
 from ..ir.formatting import op_name
 from ..ir.program import info
+from ..ir.scopes import ScopeKind
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Finding:
 
 def describe(node: fx.Node) -> str:
     """The op of a node and the module call it was traced in: `aten.mean.dim in encoder.norm (MyNorm)`."""
-    modules = [scope for scope in info(node).scopes if scope.kind == "module"]
+    modules = [scope for scope in info(node).scopes if scope.kind is ScopeKind.MODULE]
     if not modules:
         return op_name(node.target)
     module = modules[-1]

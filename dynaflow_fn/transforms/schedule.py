@@ -39,7 +39,7 @@ class Stage:
 
     index: int
     mb: int | None
-    kind: str
+    kind: cost.CostKind
     tags: frozenset[str]
     cost: cost.Cost
     nodes: tuple[str, ...]
@@ -82,7 +82,7 @@ class StageGraph:
         return [s for s in self.stages if s.mb == mb]
 
     def has_comm(self) -> bool:
-        return any(s.kind == "comm" for s in self.stages)
+        return any(s.kind is cost.CostKind.COMM for s in self.stages)
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class RoundRobin(Scheduler):
         return _with_comm_stream(self._compute(graph), graph, self.comm_stream, self.comm_priority)
 
     def stream_for(self, stage: Stage, graph: StageGraph) -> int:
-        if stage.kind == "comm" and self.comm_stream:
+        if stage.kind is cost.CostKind.COMM and self.comm_stream:
             return self._compute(graph)
         return 0 if stage.mb is None else graph.micro_batches.index(stage.mb) % self._compute(graph)
 

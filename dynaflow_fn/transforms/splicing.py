@@ -16,8 +16,8 @@ from torch import fx
 
 from ..errors import TransformError
 from ..ir import ops
-from ..ir.formatting import op_name
-from ..ir.program import NodeInfo, Program, info, type_str
+from ..ir.formatting import op_name, type_str
+from ..ir.program import NodeInfo, Program, info
 from ..ir.scopes import Scope
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
@@ -31,8 +31,9 @@ split-K kernel) on random inputs, tight enough to catch a different computation.
 outputs must be equal."""
 
 
-class Region:
-    """One match: its nodes in graph order, the values it reads from outside, the values read after it."""
+class RegionMatch:
+    """One match of a `T.Region` rule (the rule is `partition_rules.Region`): its nodes in graph
+    order, the values it reads from outside, the values read after it."""
 
     def __init__(self, nodes: Sequence[fx.Node]):
         self.nodes = list(nodes)
@@ -64,25 +65,25 @@ class Region:
         return tuple(common)
 
 
-def trace_impl(impl: Callable[..., Any], region: Region, rule: str) -> Program:
+def trace_impl(impl: Callable[..., Any], match: RegionMatch, rule: str) -> Program:
     """`impl` traced on the region's inputs, refused where it could not stand in for the region."""
-    for node in region.nodes:
+    for node in match.nodes:
         if ops.is_mutating(node.target):
             raise TransformError(f"{rule} matched a region that writes {_format_target(node)} in place; only "
                                  f"regions without side effects can be substituted")
-    replacement = trace_function(impl, tuple(region.input_specs(rule)), {})
-    if replacement.captured:
-        names = ", ".join(c.name for c in replacement.captured)
+    replacement = trace_function(impl, tuple(match.input_specs(rule)), {})
+    if replacement.closed_over:
+        names = ", ".join(c.name for c in replacement.closed_over)
         raise TransformError(f"the implementation for {rule} closes over tensors ({names}); pass what it reads "
                              f"through the region's inputs instead")
     if any(ops.is_mutating(node.target) for node in replacement.ops()):
         raise TransformError(f"the implementation for {rule} writes one of its inputs in place; it must return "
                              f"new tensors and leave its inputs unchanged")
     produced = list(replacement.output_node().args[0])
-    if len(produced) != len(region.outputs) or len(replacement.outputs) != len(produced):
+    if len(produced) != len(match.outputs) or len(replacement.outputs) != len(produced):
         raise TransformError(f"the implementation for {rule} returns {len(replacement.outputs)} values, but the "
-                             f"region produces {len(region.outputs)} ({_listing(region.outputs)})")
-    for index, (old, new) in enumerate(zip(region.outputs, produced)):
+                             f"region produces {len(match.outputs)} ({_listing(match.outputs)})")
+    for index, (old, new) in enumerate(zip(match.outputs, produced)):
         check_layout(rule, index, old.meta["val"], new.meta["val"], "the region produces", old.name)
     return replacement
 
@@ -96,12 +97,12 @@ def check_layout(rule: str, index: int, expected: torch.Tensor, got: Any, origin
                              f"{original} {type_str(expected)}{where}; shapes, dtypes and strides must match")
 
 
-def splice(graph_module: fx.GraphModule, region: Region, replacement: Program, marker: Scope) -> None:
+def splice(graph_module: fx.GraphModule, match: RegionMatch, replacement: Program, marker: Scope) -> None:
     """Put the replacement's nodes where the region's were and remove the region."""
     graph = graph_module.graph
-    env: dict[fx.Node, fx.Node] = dict(zip(replacement.placeholders(), region.inputs))
-    scopes = region.scopes() + (marker,)
-    anchor = region.nodes[-1]
+    env: dict[fx.Node, fx.Node] = dict(zip(replacement.placeholders(), match.inputs))
+    scopes = match.scopes() + (marker,)
+    anchor = match.nodes[-1]
     for node in replacement.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -115,17 +116,17 @@ def splice(graph_module: fx.GraphModule, region: Region, replacement: Program, m
                 copied = graph.node_copy(node, lambda arg: env[arg])
         copied.meta = {**node.meta, "df": NodeInfo(scopes=scopes + info(node).scopes)}
         env[node] = anchor = copied
-    for old, new in zip(region.outputs, replacement.output_node().args[0]):
-        old.replace_all_uses_with(env[new], delete_user_cb=lambda user: user not in region.inside)
-    for node in reversed(region.nodes):
+    for old, new in zip(match.outputs, replacement.output_node().args[0]):
+        old.replace_all_uses_with(env[new], delete_user_cb=lambda user: user not in match.inside)
+    for node in reversed(match.nodes):
         graph.erase_node(node)
 
 
-def check_agrees(graph_module: fx.GraphModule, region: Region, impl: Callable[..., Any], rule: str,
+def check_agrees(graph_module: fx.GraphModule, match: RegionMatch, impl: Callable[..., Any], rule: str,
                  tolerances: dict[torch.dtype, tuple[float, float]]) -> None:
     """Run the region and `impl` on random inputs of the traced shapes; raise unless they agree."""
-    original = _extract(graph_module, region)
-    inputs = [_random_like(node.meta["val"], graph_module, node) for node in region.inputs]
+    original = _extract(graph_module, match)
+    inputs = [_random_like(node.meta["val"], graph_module, node) for node in match.inputs]
     with torch.no_grad():
         expected = original(*inputs)
         got = impl(*inputs)
@@ -149,13 +150,13 @@ def check_agrees(graph_module: fx.GraphModule, region: Region, impl: Callable[..
                 f"returned; tolerance rtol={rtol}, atol={atol})")
 
 
-def _extract(graph_module: fx.GraphModule, region: Region) -> fx.GraphModule:
+def _extract(graph_module: fx.GraphModule, match: RegionMatch) -> fx.GraphModule:
     """The region alone, as a module taking its inputs and returning its outputs."""
     graph = fx.Graph()
-    env = {node: graph.placeholder(node.name) for node in region.inputs}
-    for node in region.nodes:
+    env = {node: graph.placeholder(node.name) for node in match.inputs}
+    for node in match.nodes:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
-    graph.output([env[node] for node in region.outputs])
+    graph.output([env[node] for node in match.outputs])
     return fx.GraphModule(graph_module, graph)
 
 

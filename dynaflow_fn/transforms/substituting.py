@@ -32,11 +32,11 @@ from ..compat import current_trace_graph
 from ..errors import InputError, TransformError
 from ..ir import ops
 from ..ir.program import NodeInfo, Program, copy_graph_module, info
-from ..ir.scopes import Scope
+from ..ir.scopes import Scope, ScopeKind
 from ..tracing.regions import active_recorder, last_node, nodes_after
 from .base import Pass, apply_transform, record, retraced
 from .partition_rules import Module, Region, Rule
-from .splicing import DEFAULT_TOLERANCES, Region as Match, check_agrees, check_layout, splice, trace_impl
+from .splicing import DEFAULT_TOLERANCES, RegionMatch, check_agrees, check_layout, splice, trace_impl
 
 
 def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None = None, *, check: bool = False,
@@ -96,11 +96,11 @@ class RegionSubstitution(Pass):
             if not matches:
                 raise TransformError(f"{rule} matched nothing: {rule.unmatched_hint(program)}")
             for nodes in matches.values():
-                match = Match(nodes)
+                match = RegionMatch(nodes)
                 replacement = trace_impl(impl, match, str(rule))
                 if self.check:
                     check_agrees(graph_module, match, impl, str(rule), self.tolerances)
-                splice(graph_module, match, replacement, Scope("substitution", str(rule), 0))
+                splice(graph_module, match, replacement, Scope(ScopeKind.SUBSTITUTION, str(rule), 0))
         try:
             graph_module.graph.lint()
         except RuntimeError as error:
@@ -185,7 +185,7 @@ def _redirected(modules: list[tuple[str, torch.nn.Module]], rules: Mapping[Modul
     """Give each matching module an instance `forward` that runs the rule's impl on this thread."""
     patched = []
     for name, module in modules:
-        rule = next((r for r in rules if r.match(None, NodeInfo(scopes=(Scope("module", name, 0, type(module)),)))
+        rule = next((r for r in rules if r.match(None, NodeInfo(scopes=(Scope(ScopeKind.MODULE, name, 0, type(module)),)))
                      is not None), None)
         if rule is not None:
             previous = module.__dict__.get("forward")
@@ -223,7 +223,7 @@ def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], 
         expected = _traced_and_dropped(original, args, kwargs)
         graph = current_trace_graph()
         start = last_node(graph)
-        with recorder.scope("substitution", str(rule)):
+        with recorder.scope(ScopeKind.SUBSTITUTION, str(rule)):
             result = impl(module, *args, **kwargs)
         written = [node for node in nodes_after(graph, start) if ops.is_mutating(node.target)]
         if written:

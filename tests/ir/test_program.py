@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import dynaflow_fn as df
-from dynaflow_fn.ir.formatting import op_name
-from dynaflow_fn.ir.program import SUMMARIZED_ARGUMENT_TENSORS, info
+from dynaflow_fn.ir.formatting import SUMMARIZED_ARGUMENT_TENSORS, op_name
+from dynaflow_fn.ir.program import info
 from fixtures import build, example_inputs, recipes, scheduled
 from models import MLP, Block
 

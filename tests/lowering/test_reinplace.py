@@ -1,4 +1,4 @@
-"""lowering/reinplace.py: an op runs in place on an argument only when nothing later reads that
+"""lowering/reinplace.py: an op runs inplace on an argument only when nothing later reads that
 argument's old value (nor a view of it), it is not returned, and an input is donated; plans that do
 so compute what eager PyTorch computes."""
 
@@ -26,17 +26,17 @@ def _readers(node):
     return found
 
 
-def _in_place_steps(plan):
-    return [step for step in plan.steps if step.kind is StepKind.KERNEL and step.note == "in place"]
+def _inplace_steps(plan):
+    return [step for step in plan.steps if step.kind is StepKind.KERNEL and step.note == "reinplaced"]
 
 
 def _assert_old_values_are_dead(program, plan, donated=()):
-    """Every argument an in-place step overwrites is read by no step after it, is not returned and,
+    """Every argument an inplace step overwrites is read by no step after it, is not returned and,
     if it is an input, is a donated one."""
     position = {step.node: step.index for step in plan.steps if step.node}
     nodes = {node.name: node for node in program.graph.nodes}
     donated_names = {program.placeholders()[i].name for i in donated}
-    for step in _in_place_steps(plan):
+    for step in _inplace_steps(plan):
         node = nodes[step.node]
         written = optree.tree_leaves(node.args[:1])
         for argument in written:
@@ -52,7 +52,7 @@ def _assert_old_values_are_dead(program, plan, donated=()):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(recipe=recipes(), seed=st.integers(0, 2**16), streams=st.integers(1, 3))
-def test_in_place_steps_overwrite_only_dead_values_and_plans_equal_eager(recipe, seed, streams):
+def test_inplace_steps_overwrite_only_dead_values_and_plans_equal_eager(recipe, seed, streams):
     inputs, fn = build(recipe)
     step = scheduled(fn, RandomScheduler(seed, streams), inputs)
     args = example_inputs(inputs)
@@ -64,14 +64,14 @@ def test_in_place_steps_overwrite_only_dead_values_and_plans_equal_eager(recipe,
         torch.testing.assert_close(got, expected, equal_nan=True)
 
 
-def test_a_donated_update_chain_runs_in_place_and_copies_nothing():
+def test_a_donated_update_chain_runs_inplace_and_copies_nothing():
     def update(p, g):
         return p * 0.9 - g * 0.1
 
     p, g = torch.randn(16), torch.randn(16)
     fast = df.jit(update, donate_argnums=(0,))
     plan = fast.lower(p, g)
-    assert len(_in_place_steps(plan)) == 2 and not plan.copy_steps()
+    assert len(_inplace_steps(plan)) == 2 and not plan.copy_steps()
     assert plan.written_inputs() == [0]
     _assert_old_values_are_dead(fast.trace(p, g), plan, donated=(0,))
     expected = update(p.clone(), g)
@@ -90,7 +90,7 @@ def test_an_argument_read_later_is_not_overwritten():
     _assert_old_values_are_dead(program, plan, donated=(0, 1))
     overwritten = {program.placeholders()[0].name: False, program.placeholders()[1].name: False}
     nodes = {node.name: node for node in program.graph.nodes}
-    for step in _in_place_steps(plan):
+    for step in _inplace_steps(plan):
         for argument in optree.tree_leaves(nodes[step.node].args[:1]):
             if argument.name in overwritten:
                 overwritten[argument.name] = True

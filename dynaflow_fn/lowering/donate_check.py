@@ -1,6 +1,6 @@
-"""Donation: `df.jit(donate_argnums=...)` lets an output be written into the storage of an input the
-caller gives up. This checks the pairs before lowering relies on them; the outputs sub-pass then
-writes each donated output into its input.
+"""The donate pairs of `df.lower(program, donate=...)`: `df.jit(donate_argnums=...)` lets an output
+be written into the storage of an input the caller gives up. This checks the pairs before lowering
+relies on them; the outputs sub-pass then writes each donated output into its input.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import InputError
-from ..ir.program import Program, dtype_name
+from ..ir.formatting import dtype_name
+from ..ir.program import Program
 from ..ir.tree import TensorSpec
 
 

@@ -1,11 +1,11 @@
-"""Kernels: one step per node, in issue order, choosing how each runs.
+"""Emit steps: one step per node, in issue order, choosing how each runs.
 
 * a view op becomes a VIEW step: no kernel, no memory;
 * an op with a faithful `out=` overload becomes a KERNEL step writing into a planned arena buffer;
 * an op without one becomes an ALLOC step, and the Plan says why;
 * work that depends on no input (masks, position ids, rotary tables) moves to `setup`, computed once;
 * the `copy_` that functionalization leaves for a mutated input becomes a COPY step (a write-back);
-* a node that re-inplacing chose runs as its in-place variant, writing the arguments it mutates.
+* a node that reinplace chose runs as its inplace variant, writing the arguments it mutates.
 
 Which tensors share memory comes from the fake tensors of the trace: two values with the same fake
 storage alias.
@@ -29,9 +29,12 @@ from ..plan.plan import Layout, Ref, Step, StepKind, StorageKind
 from .draft import PlanDraft, flat_values, new_step, storage_key
 from .out_kernels import out_call_is_faithful
 from .reinplace import mutated_arguments
+from .sub_pass import sub_pass
 
 
-def kernels(draft: PlanDraft) -> None:
+@sub_pass("emit steps", reads=("program", "issue_order", "inplace", "slot_of", "storage_of_key", "slots", "storages"),
+          writes=("setup", "steps", "slot_of", "storage_of_key", "slots", "storages"))
+def emit_steps(draft: PlanDraft) -> bool:
     setup = setup_nodes(draft.program)
     for node in draft.issue_order:
         if node.target is operator.getitem:
@@ -40,6 +43,7 @@ def kernels(draft: PlanDraft) -> None:
         at_setup = node in setup
         step = _step_for(draft, node, at_setup)
         (draft.setup if at_setup else draft.steps).append(step)
+    return bool(draft.setup or draft.steps)
 
 
 def _forward_getitem(draft: PlanDraft, node: fx.Node) -> None:
@@ -120,13 +124,13 @@ def _aliased_result(draft: PlanDraft, node: fx.Node, tensors: list, fresh: list)
 
 
 def _inplace_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple, kwargs: dict) -> Step:
-    """Run `node` as its in-place variant: its results are the slots of the arguments it mutates."""
+    """Run `node` as its inplace variant: its results are the slots of the arguments it mutates."""
     slots = tuple(draft.slot_of[(s, 0)] for s in mutated_arguments(node))
     for index, (slot, value) in enumerate(zip(slots, flat_values(node))):
         draft.storage_of_key[storage_key(value)] = draft.slots[slot].storage
         draft.slot_of[(node, index)] = slot
     return new_step(StepKind.KERNEL, stream, ops.inplace_variant(node.target), args, kwargs, slots,
-                    node=node.name, note="in place")
+                    node=node.name, note="reinplaced")
 
 
 def _wait_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple) -> Step:
