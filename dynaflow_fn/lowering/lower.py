@@ -40,7 +40,7 @@ SUB_PASSES: tuple[tuple[str, Callable[[PlanDraft], None]], ...] = (
 
 
 def lower(program: Program, *, donate: Mapping[int, int] | None = None) -> Plan:
-    """Build the static Plan of a Program.
+    """Build the static Plan of `program` (from `df.trace`, transformed or not).
 
     `donate` maps a flat output index to a flat tensor-input index whose storage receives that
     output in place (the caller donated the input); `df.jit(donate_argnums=...)` computes it.

@@ -49,7 +49,8 @@ class Pass:
 
 
 class Transformed:
-    """A function with transforms attached. Calling it runs eagerly; tracing it applies the passes."""
+    """A function `fn` with the `passes` of its transforms attached, in order. Calling it runs `fn`
+    eagerly (micro-batch after micro-batch); tracing it traces `fn` and applies the passes."""
 
     def __init__(self, fn: Callable[..., Any], passes: Sequence[Pass]):
         self.fn = fn
@@ -89,7 +90,8 @@ class Transformed:
 
 
 def record(program: Program, new: Program, p: Pass) -> Program:
-    """Stamp a pass's result with its provenance line and remember the pass for re-tracing."""
+    """`new`, the result of pass `p` on `program`, stamped with `p`'s provenance line (printed under
+    "passes") and remembering `p` for re-tracing. A `T.Pass`'s `apply` returns this."""
     return dataclasses.replace(new, provenance=program.provenance + (p.describe(),), passes=program.passes + (p,))
 
 
@@ -106,7 +108,8 @@ def retraced(program: Program, p: Pass, name: str) -> Program:
 
 
 def apply_transform(target: Any, p: Pass) -> Any:
-    """Apply a pass to a Program, a function, or (target None) return it as a one-argument transform."""
+    """Apply the pass `p` to `target`: a Program (a new Program), a function (a `T.Transformed`), or
+    None (a one-argument transform, for `T.compose`)."""
     if target is None:
         return lambda fn: apply_transform(fn, p)
     if isinstance(target, Program):
@@ -119,7 +122,8 @@ def apply_transform(target: Any, p: Pass) -> Any:
 
 
 def compose(*transforms: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Chain transforms left to right: `compose(a, b)(fn) == b(a(fn))`.
+    """Chain `transforms` (each called without a function first) left to right:
+    `compose(a, b)(fn) == b(a(fn))`.
 
     >>> strategy = T.compose(T.microbatch(num=2, in_axes=(None, 0)), T.overlap(strategy="roundrobin"))
     >>> fast = df.jit(strategy(fn))
