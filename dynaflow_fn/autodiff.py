@@ -98,7 +98,8 @@ def _detached(leaf: Any) -> Any:
 
 
 def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
-    """The gradient of a scalar `fn`; with `has_aux`, `(grads, aux)`. See `value_and_grad`."""
+    """The gradient of a scalar `fn` with respect to the arguments `argnums`; with `has_aux`,
+    `(grads, aux)`. As `df.value_and_grad`, without the value."""
     both = value_and_grad(fn, argnums, has_aux)
 
     @functools.wraps(fn)

@@ -15,9 +15,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import dynaflow_fn as df
+from dynaflow_fn.ir.progress import progress_bar   # tqdm, one line in a log instead of one per step
 
 VOCAB, LENGTH, SEP = 16, 8, 0
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs", "train_tiny_llama.png")  # git ignores outputs/
@@ -62,11 +62,11 @@ def train(steps: int = 300, batch: int = 32, lr: float = 3e-3, device: str | Non
 
     generator = torch.Generator().manual_seed(seed)
     losses = []
-    bar = tqdm(range(steps), desc="train", disable=not progress)
+    bar = progress_bar(range(steps), desc="train", disable=not progress)
     for _ in bar:
         params, state, loss = train_step(params, state, copy_batch(batch, device, generator))
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)   # drawn with the next redraw
     if plot:
         _plot(losses, plot)
     return losses

@@ -1,5 +1,8 @@
 """Every entry of dynaflow_fn.compat works on this torch, and so does its fallback where the internal is gone."""
 
+import contextlib
+from typing import Any, Callable, Iterator
+
 import pytest
 import torch
 import torch.fx._symbolic_trace as symbolic_trace
@@ -151,6 +154,30 @@ def test_data_ptrs_equal_in_python(monkeypatch):
     assert not compat.data_ptrs_equal([a, b], [None, a.data_ptr()], [1])
 
 
+@contextlib.contextmanager
+def _meta_kernel_replaced(op: torch._ops.OpOverload, kernel: Callable[..., Any]) -> Iterator[None]:
+    """`kernel` as the meta kernel of `op` inside the block, the original one again after it.
+
+    Leaving a scoped library removes its kernel from the dispatcher, but torch also keeps the last
+    Python kernel registered for (op, Meta) in a table of its own, which calls on fake tensors still
+    reach (torch 2.13). Registering the original again, for a moment, points that table back at it."""
+    original = op.py_kernels.get(torch._C.DispatchKey.Meta)
+    try:
+        with torch.library._scoped_library("aten", "IMPL") as library:
+            library.impl(op, kernel, "Meta", allow_override=True)   # torch 2.11 refuses to by default
+            yield
+    finally:
+        if original is not None:
+            with torch.library._scoped_library("aten", "IMPL") as library:
+                library.impl(op, original, "Meta", allow_override=True)
+
+
+def _fake_mm_shape(m: int, k: int, n: int) -> tuple[int, ...]:
+    """The shape aten.mm's meta kernel gives on fake tensors, shapes no other test uses (no cache hit)."""
+    with compat.FakeTensorMode():
+        return tuple(torch.ops.aten.mm.default(torch.empty(m, k), torch.empty(k, n)).shape)
+
+
 def test_a_meta_kernel_stricter_than_the_real_one_defers_to_it(monkeypatch):
     def too_strict(*args, **kwargs):
         raise RuntimeError("the meta kernel refuses")
@@ -161,8 +188,7 @@ def test_a_meta_kernel_stricter_than_the_real_one_defers_to_it(monkeypatch):
             fa, fb = torch.empty_strided(a.shape, a.stride()), torch.empty_strided(b.shape, b.stride())
         return make_fx(lambda x, y: torch.ops.aten.mm.default(x, y), tracing_mode="fake")(fa, fb)
 
-    with torch.library._scoped_library("aten", "IMPL") as library, compat.quiet_meta_failures():
-        library.impl("mm", too_strict, "Meta", allow_override=True)   # torch 2.11 refuses to by default
+    with _meta_kernel_replaced(torch.ops.aten.mm.default, too_strict), compat.quiet_meta_failures():
         graph = trace(torch.randn(4, 8), torch.randn(8, 3), compat.FakeTensorModeWithFallback)
         out = next(n for n in graph.graph.nodes if n.op == "call_function").meta["val"]
         assert tuple(out.shape) == (4, 3)
@@ -173,6 +199,7 @@ def test_a_meta_kernel_stricter_than_the_real_one_defers_to_it(monkeypatch):
         with pytest.raises(MetaKernelRejection, match="the meta kernel refuses") as caught:
             trace(torch.randn(5, 8), torch.randn(8, 3), compat.FakeTensorModeWithFallback)  # new shapes: no cache hit
         assert not caught.value.confirmed
+    assert _fake_mm_shape(7, 13, 11) == (7, 11)      # the original meta kernel again, for every later test
 
 
 def test_current_stream_id_and_workspace_clearing_without_cuda(monkeypatch):

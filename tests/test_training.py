@@ -1,4 +1,6 @@
+import contextlib
 import inspect
+import io
 import os
 import shutil
 import subprocess
@@ -153,9 +155,12 @@ def test_out_kernels_that_use_their_output_as_scratch_are_not_used():
 
 
 @pytest.mark.slow
-def test_example_learns_to_copy():
-    losses = load_example("train_tiny_llama").train(steps=120, device="cpu", plot=None, progress=False)
+def test_example_learns_to_copy_and_its_bar_leaves_a_line_in_a_log():
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        losses = load_example("train_tiny_llama").train(steps=120, device="cpu", plot=None)
     assert losses[-1] < 0.1 * losses[0]
+    assert log.getvalue().count("\n") <= 2, log.getvalue()   # the bar's last state, and the first call's split
 
 
 def test_example_writes_its_plot_into_a_folder_git_ignores():

@@ -49,7 +49,10 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class Stream:
-    """A stream of a schedule. Priority follows CUDA: lower numbers run first when both are ready."""
+    """A stream of a schedule: `index` numbers it (a Scheduler's `streams()` returns them numbered 0,
+    1, ... in order, and a schedule names a stream by its index), `name` is how plans print it, and
+    `priority` follows CUDA: lower numbers run first when both are ready (the built-in schedulers
+    give collectives -1)."""
 
     index: int
     name: str
@@ -61,10 +64,10 @@ class Program(HasSignature):
     """A traced function: an aten-level functional FX graph and the `Signature` it has for callers.
 
     The graph's placeholders are the tensor leaves of the arguments, in flatten order, then the
-    `closed_over` tensors the function closes over (see `closure`). `module_modes` records the
-    `training` flag of every module whose flag the trace read, which the traced ops depend on
-    (dropout, batch norm; see `mode_reads`). Calling a Program runs its graph eagerly, which is
-    handy as a reference. Printing it shows code.
+    `closed_over` tensors the function closes over (see `dynaflow_fn.tracing.closure`). `module_modes`
+    records the `training` flag of every module whose flag the trace read, which the traced ops depend
+    on (dropout, batch norm; see `dynaflow_fn.tracing.mode_reads`). Calling a Program runs its graph
+    eagerly, which is handy as a reference. Printing it shows code.
     """
 
     graph_module: fx.GraphModule

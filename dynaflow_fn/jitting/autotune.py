@@ -30,12 +30,12 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from .. import transforms as T
 from ..errors import (InputError, InternalError, ScheduleError, TraceError, TransformError, VerificationError,
                       strict, warn)
 from ..ir import tree
+from ..ir.progress import progress_bar
 from ..ir.program import Program, dtype_name, info
 from ..ir.tree import Flat
 from ..tracing.tracer import trace_flat
@@ -242,8 +242,8 @@ def measure(names: Sequence[str], build: Callable[[str], Callable[[], float]], p
     """
     reference_name, *others = names
     skipped = {} if skipped is None else skipped
-    bar = tqdm(total=len(names) + rounds * max(len(others), 1), desc="df.jit strategy=auto",
-               disable=not progress, leave=False)
+    bar = progress_bar(total=len(names) + rounds * max(len(others), 1), desc="df.jit strategy=auto",
+                       disable=not progress, leave=False)
 
     def attempt(name: str, action: Callable[[], Any]) -> Any:
         bar.set_postfix_str(name)

@@ -14,7 +14,7 @@ import contextlib
 import time
 from typing import Iterator
 
-from tqdm.auto import tqdm
+from ..ir.progress import progress_bar
 
 SHOW_AFTER_S = 2.0
 
@@ -26,8 +26,8 @@ class ColdStart:
         self.name = name
         self.seconds: dict[str, float] = {}
         self._started = time.perf_counter()
-        self._bar = tqdm(desc=f"df.jit({name})", delay=SHOW_AFTER_S, disable=not show, leave=True,
-                         bar_format="{desc}{postfix}")
+        self._bar = progress_bar(desc=f"df.jit({name})", delay=SHOW_AFTER_S, disable=not show, leave=True,
+                                 bar_format="{desc}{postfix}")
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[None]:

@@ -187,31 +187,54 @@ def _positional_treedef(count: int) -> Any:
 def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_argnums: Sequence[int] = (),
         persistent_argnums: Sequence[int] = (), static_outputs: bool = False, strategy: str | None = None,
         in_axes: Any = None, progress: bool = True) -> Any:
-    """Compile `fn` into a static Plan per input signature and run it with a backend.
+    """Compile `fn` into a static Plan per input signature and return a `Jitted` that runs it.
 
-    backend: "auto": on a CUDA device Triton serves, every stage compiled by TorchInductor and the plan
-        replayed as one CUDA graph; aten kernels in a CUDA graph on other CUDA devices; the eager
-        interpreter elsewhere. "cudagraph": aten kernels (eager's own) in one CUDA graph; "inductor":
-        Inductor's kernels on any device (C++ on the CPU); "eager": the interpreter.
+    `fast = df.jit(fn, **options)`, or a decorator, with or without options: `@df.jit(donate_argnums=(0, 1))`.
+
+    fn: the function to compile, of tensors and pytrees of them (`df.pure(model)`'s, or a transform's).
+        Tensors it closes over are inputs, never constants. Left out, `jit` returns a decorator.
+    backend: "auto" (the default): on a CUDA device Triton serves, every stage compiled by TorchInductor
+        and the plan replayed as one CUDA graph; aten kernels in a CUDA graph on other CUDA devices; the
+        eager interpreter elsewhere. "cudagraph": aten kernels (eager's own) in one CUDA graph;
+        "inductor": Inductor's kernels on any device (C++ on the CPU); "eager": the interpreter.
     donate_argnums: positional arguments whose tensors the function may overwrite: each output with the
-        shape, strides and dtype of a donated tensor is written into it in place and returned as it.
+        shape, strides and dtype of a donated tensor is written into it and returned as it, so
+        `params, state = step(params, state, batch)` updates them without a copy.
     persistent_argnums: positional arguments that persist across calls (KV caches passed as plain
-        tensors): the CUDA graph reads them at their own address instead of copying them in. Pass the
-        same tensors every call; a different tensor there captures the graph again. A model's state
-        needs no naming: `nn.Parameter`s, every tensor `df.pure` hands out (buffers included), tensors
-        marked with `torch._dynamo.mark_static_address`, donated arguments and closed-over tensors are
-        always read in place (see `state`). Each call checks their layout and address, so a tensor
-        given another layout (`t.data = v`, `resize_`) traces again and one moved captures again.
-    static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph backend):
+        tensors): resident, read and written by the CUDA graph at their own address instead of copied
+        in before every replay. Pass the same tensors every call; another tensor there captures again.
+        A model's state needs no naming: `nn.Parameter`s, every tensor `df.pure` hands out, tensors
+        marked with `torch._dynamo.mark_static_address`, donated and closed-over tensors, and arguments
+        the function updates in place are resident (see `dynaflow_fn.jitting.state` and
+        `dynaflow_fn.jitting.binding`). Each call checks their layout and address, so a tensor given
+        another layout (`t.data = v`, `resize_`) traces again and one moved captures again.
+    static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph runtime):
         faster, but the next call overwrites them.
-    strategy: None runs `fn` as given (transform it to choose a strategy yourself); "auto" times candidate
-        strategies on the device for each new input signature and keeps the fastest, never slower than no
-        overlap, remembering the choice on disk (see `autotune`). `in_axes` (as for `T.microbatch`) lets
-        it try micro-batched candidates; `progress` shows a progress bar while it measures.
+    strategy: None (the default) runs `fn` as given: transform it to fix a strategy, as in
+        `df.jit(T.overlap(fn, strategy="tbo"))`. "auto" times candidate strategies on the device for
+        each new input signature and keeps the fastest, never slower than no overlap, remembering the
+        choice on disk (see `dynaflow_fn.jitting.autotune`).
+    in_axes: with strategy="auto" only: which arguments hold the batch, as for `T.microbatch`
+        (`(None, 0)` for `fn(params, x)`), so that micro-batched candidates are tried too.
+    progress: show progress bars for a first call taking over two seconds (ending with each phase's
+        time), Inductor's compilation and strategy="auto"'s measurements; one line each in a log.
 
-    >>> fast = df.jit(fn)
-    >>> y = fast(params, x)          # traces, lowers and captures on the first call
-    >>> print(fast.lower(params, x)) # the Plan
+    The returned `Jitted` is called like `fn`, and has these methods and attributes:
+
+    fast(*args, **kwargs): runs the plan of this input signature (built on its first call).
+    fast.trace(*args, **kwargs): the Program (after transforms) that a call with these arguments runs.
+    fast.lower(*args, **kwargs): the Plan that such a call runs, built if need be but not run (with
+        strategy="auto" before any call: the plan without overlap).
+    fast.plans(): every Plan built so far, one per input signature and program state, oldest first.
+    fast.cache_info(): `CacheInfo(hits, misses, captures, entries)`: calls served by a cached plan,
+        calls that built one, CUDA graph captures, plans held.
+    fast.clear_cache(): forget every plan (its memory is freed once no output refers to it); needed
+        after changing Python state that tracing read and no per-call check sees (a module attribute
+        other than `training`, a global the function branches on).
+    fast.pipeline: the stages a plan is built by; `fast.pipeline.run(*args, **kwargs)` returns every
+        stage's result (Programs, then the Plan), each printable.
+    fast.choices: with strategy="auto", the `Choice` per input signature: the strategy, its timings and
+        the candidates skipped, with why.
     """
     options = JitOptions(backend=backend, donate_argnums=donate_argnums, persistent_argnums=persistent_argnums,
                          static_outputs=static_outputs, strategy=strategy, in_axes=in_axes, progress=progress)

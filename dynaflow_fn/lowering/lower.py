@@ -39,7 +39,7 @@ PLAN_READS = ("program", "placed_storages", "placed_slots", "setup", "steps", "n
 
 
 def lower(program: Program, *, donate: Mapping[int, int] | None = None) -> Plan:
-    """Build the static Plan of a Program.
+    """Build the static Plan of `program` (from `df.trace`, transformed or not).
 
     `donate` maps a flat output index to a flat tensor-input index whose storage receives that
     output (the caller donated the input); `df.jit(donate_argnums=...)` computes it.

@@ -36,6 +36,7 @@ from ..ir import ops
 from ..ir.analyses import setup_nodes
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
+from ..ir.progress import progress_bar
 from ..ir.tree import TensorSpec
 from ..transforms.base import Pass, record
 
@@ -74,7 +75,9 @@ class InductorPass(Pass):
         runs = _find_runs(program)
         cache: dict[Any, Callable | None] = {}
         calls: list[_Call] = []
-        for run in _progress(runs, self.progress and len(runs) > 1):
+        bar = progress_bar(runs, desc="inductor: compiling stages", unit="run", leave=False,
+                           disable=not (self.progress and len(runs) > 1))
+        for run in bar:
             graph_module, inputs, outputs = _extract(run)
             key = (_structure(graph_module.graph), tuple(_layout(node.meta["val"]) for node in inputs))
             if key not in cache:
@@ -247,11 +250,3 @@ def _describe(run: Sequence[fx.Node]) -> str:
     where = f"stage {node_info.stage}" if node_info.stage is not None else "the program"
     names = ", ".join(op_name(n.target) for n in run[:3]) + (", ..." if len(run) > 3 else "")
     return f"{where} ({len(run)} ops from {run[0].name}: {names})"
-
-
-def _progress(runs: list, enabled: bool) -> Any:
-    if not enabled:
-        return runs
-    from tqdm.auto import tqdm
-
-    return tqdm(runs, desc="inductor: compiling stages", unit="run", leave=False)

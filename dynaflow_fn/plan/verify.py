@@ -23,7 +23,9 @@ from .plan import Plan, StepKind, StorageKind, format_plan_step
 
 
 def verify(plan: Plan) -> Plan:
-    """Raise VerificationError listing every unordered conflicting access; return the plan if it is safe."""
+    """Check that `plan` is race-free: every two accesses of the same bytes, one a write, are ordered
+    by stream order and events as in the issue order. Returns the plan if so; otherwise raises a
+    VerificationError listing every unordered pair."""
     if not isinstance(plan, Plan):
         raise InputError(_not_a_plan(plan))
     problems = _check_events(plan) or []

@@ -56,7 +56,8 @@ class Pass(abc.ABC):
 
 
 class Transformed:
-    """A function with transforms attached. Calling it runs eagerly; tracing it applies the passes."""
+    """A function `fn` with the `passes` of its transforms attached, in order. Calling it runs `fn`
+    eagerly (micro-batch after micro-batch); tracing it traces `fn` and applies the passes."""
 
     def __init__(self, fn: Callable[..., Any], passes: Sequence[Pass]):
         self.fn = fn
@@ -97,9 +98,10 @@ class Transformed:
 
 
 def record(program: Program, new: Program, p: Pass) -> Program:
-    """Stamp a pass's result with its provenance line and remember the pass for re-tracing. A result
-    that is `program` itself changed nothing: it gets no line, but the pass is remembered all the
-    same, since on a program traced again it may find something to do."""
+    """`new`, the result of pass `p` on `program`, stamped with `p`'s provenance line (printed under
+    "passes") and remembering `p` for re-tracing. A `T.Pass`'s `apply` returns this. A result that is
+    `program` itself changed nothing: it gets no line, but the pass is remembered all the same, since
+    on a program traced again it may find something to do."""
     provenance = program.provenance if new is program else program.provenance + (p.describe(),)
     return dataclasses.replace(new, provenance=provenance, passes=program.passes + (p,))
 
@@ -117,7 +119,8 @@ def retraced(program: Program, p: Pass, name: str) -> Program:
 
 
 def apply_transform(target: Any, p: Pass) -> Any:
-    """Apply a pass to a Program, a function, or (target None) return it as a one-argument transform."""
+    """Apply the pass `p` to `target`: a Program (a new Program), a function (a `T.Transformed`), or
+    None (a one-argument transform, for `T.compose`)."""
     if target is None:
         return lambda fn: apply_transform(fn, p)
     if isinstance(target, Program):
@@ -130,7 +133,8 @@ def apply_transform(target: Any, p: Pass) -> Any:
 
 
 def compose(*transforms: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Chain transforms left to right: `compose(a, b)(fn) == b(a(fn))`.
+    """Chain `transforms` (each called without a function first) left to right:
+    `compose(a, b)(fn) == b(a(fn))`.
 
     >>> strategy = T.compose(T.microbatch(num=2, in_axes=(None, 0)), T.overlap(strategy="roundrobin"))
     >>> fast = df.jit(strategy(fn))

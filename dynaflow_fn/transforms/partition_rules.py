@@ -25,7 +25,12 @@ from ..ir.scopes import Scope, ScopeKind
 
 @dataclass(frozen=True)
 class Rule(abc.ABC):
-    """Base of partition rules. `tags` label the stages a rule makes; `merge` joins all its matches."""
+    """Base of partition rules (subclass it for a matcher of your own). Every rule takes two options:
+
+    tags: labels of the stages the rule makes, for Schedulers to read (default: the op pattern, the
+        module class or path, the region name or the kind).
+    merge: put all the rule's matches in one micro-batch into a single stage, instead of a stage each.
+    """
 
     tags: frozenset[str] = field(default=frozenset(), kw_only=True)
     merge: bool = field(default=False, kw_only=True)
@@ -54,7 +59,8 @@ class Rule(abc.ABC):
 @dataclass(frozen=True)
 class Op(Rule):
     """Ops whose printed name (`aten.mm`, `aten.add.Tensor`, `_c10d_functional.all_reduce`) matches
-    the regex `pattern` (re.search); each contiguous run of matches is one stage."""
+    the regex `pattern` (re.search); each contiguous run of matches is one stage. `tags` and `merge`
+    as for every `T.Rule`."""
 
     pattern: str
     _regex: re.Pattern = field(init=False, repr=False, compare=False)
@@ -82,7 +88,7 @@ class Op(Rule):
 class Module(Rule):
     """Calls of a module: `target` is an `nn.Module` class (its subclasses match too) or a regex that
     is searched in the module's qualified name (`layers.0.self_attn`) or matches its whole class
-    name. Each call is one stage."""
+    name. Each call is one stage. `tags` and `merge` as for every `T.Rule`."""
 
     target: type | str
     _regex: re.Pattern | None = field(init=False, repr=False, compare=False)
@@ -131,7 +137,8 @@ class Module(Rule):
 
 @dataclass(frozen=True)
 class Region(Rule):
-    """Blocks of `with df.region(name)` in model code; each block is one stage."""
+    """Blocks of `with df.region(name)` in model code; each block is one stage. `tags` and `merge` as
+    for every `T.Rule`."""
 
     name: str
 
@@ -188,7 +195,8 @@ def _listing(names: set[str], limit: int = 12) -> str:
 @dataclass(frozen=True)
 class Kind(Rule):
     """Nodes the cost model gives `kind` ("compute": GEMM-like, "memory": bandwidth-bound, "comm":
-    collectives; the string or the `CostKind`); each contiguous run is one stage."""
+    collectives; the string or the `CostKind`); each contiguous run is one stage. `tags` and `merge`
+    as for every `T.Rule`."""
 
     kind: CostKind
 

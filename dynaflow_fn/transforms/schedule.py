@@ -35,7 +35,17 @@ COMM_PRIORITY = -1
 
 @dataclass(frozen=True)
 class Stage:
-    """A group of nodes of one micro-batch (or of none: shared work) that is scheduled as a unit."""
+    """A group of nodes of one micro-batch (or of none: shared work) that is scheduled as a unit.
+
+    index: its position in `StageGraph.stages`, which `Issue.stage` names it by.
+    mb: its micro-batch, or None for work every micro-batch shares.
+    kind: the cost model's kind of its costliest part ("compute" or "memory"), or "comm" if it holds
+        a collective.
+    tags: the tags of the partition rule that made it (see `T.Rule`).
+    cost: the cost model's estimate (`flops`, `bytes`, `seconds`) of all its nodes.
+    nodes: the names of its nodes, in trace order.
+    needs: the indices of the stages whose results it reads.
+    """
 
     index: int
     mb: int | None
@@ -52,7 +62,9 @@ class Stage:
 
 
 class StageGraph:
-    """The stages of a partitioned Program and the order constraints between them."""
+    """The `stages` of a partitioned Program (a tuple, in trace order) and the order constraints
+    between them; `micro_batches` lists the micro-batch numbers, and `ready(issued)` the stages whose
+    inputs are all issued."""
 
     def __init__(self, stages: Sequence[Stage]):
         self.stages = tuple(stages)
@@ -100,7 +112,15 @@ class Issue:
 
 
 class Scheduler:
-    """Base class of strategies: override `pick` (or `schedule`) and `streams`. See the module docstring."""
+    """Base class of strategies: override `pick` (or `schedule`) and `streams`.
+
+    A Scheduler sees the stage DAG (`StageGraph`: each `Stage` with its micro-batch, kind, tags and
+    cost estimate) once, when `T.overlap` applies, and returns a total issue order with a stream for
+    every stage. `streams(graph)` declares the streams it uses (`df.Stream(index, name, priority)`,
+    numbered 0, 1, ...; the default is one stream); `pick(ready, graph, issued)` returns the next
+    stage among the ready ones and the index of its stream; or `schedule(graph)` returns the whole
+    order as `T.Issue`s at once. More in `dynaflow_fn.transforms.schedule`.
+    """
 
     def streams(self, graph: StageGraph) -> Sequence[Stream]:
         return (Stream(0, "main"),)
@@ -210,7 +230,8 @@ class TBO(RoundRobin):
     The stages are issued in steps: at step t, stage t - i*offset of micro-batch i. With `pace` (the
     default), a stage also waits for the other micro-batches' stages of the previous step, so the
     offset holds on the device, inside a CUDA graph too, instead of the micro-batches drifting into
-    lockstep (where their collectives would queue at the same time).
+    lockstep (where their collectives would queue at the same time). `comm_stream` and
+    `comm_priority` as for `T.RoundRobin`: collective stages on a stream of their own, of that priority.
     """
 
     def __init__(self, offset: int = 1, comm_stream: bool = True, comm_priority: int = COMM_PRIORITY,

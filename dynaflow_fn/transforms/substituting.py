@@ -41,14 +41,26 @@ from .splicing import DEFAULT_TOLERANCES, RegionMatch, check_agrees, check_layou
 
 def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None = None, *, check: bool = False,
                tolerances: Mapping[torch.dtype, tuple[float, float]] | None = None) -> Any:
-    """Replace what each rule matches by its implementation (see the module docstring).
+    """Replace what each rule matches by an implementation of your own, without editing the model.
 
+    A `T.Module` rule is a lookaside: while tracing, each call of a matching module runs
+    `impl(module, *args, **kwargs)` instead of its `forward`, so `impl` may read the module's
+    parameters. A `T.Region` rule replaces the nodes traced inside a `with df.region(name)` block by
+    `impl` called with the tensors the block reads from outside, in the order it first reads them;
+    `impl` returns what later code reads of the block, in the order the block computed it (one
+    tensor, or a tuple). Outputs must have the original's shapes, dtypes and strides (checked while
+    tracing). More in `dynaflow_fn.transforms.substituting`.
+
+    fn: the function or Program to transform. Left out (`T.substitute(rules)`), the result is a
+        transform to apply later.
     rules: `{T.Module(cls_or_regex): impl(module, *args, **kwargs), T.Region(name): impl(*inputs)}`.
         Every rule must match at least once.
     check: run each matched region and its impl on random inputs and require agreement within
-        `tolerances` ((rtol, atol) per dtype; defaults in `splicing.DEFAULT_TOLERANCES`), raising a
-        TransformError that shows the largest difference otherwise. Module rules are checked for
-        output layouts only: their original runs inside the module, on the trace's values.
+        `tolerances`, raising a TransformError that shows the largest difference otherwise. Module
+        rules are checked for output layouts only: their original runs inside the module, on the
+        trace's values.
+    tolerances: `{dtype: (rtol, atol)}` for `check`; the defaults are
+        `dynaflow_fn.transforms.splicing.DEFAULT_TOLERANCES`.
     """
     if rules is None and isinstance(fn, Mapping):
         fn, rules = None, fn

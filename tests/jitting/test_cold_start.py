@@ -1,5 +1,8 @@
 """The first call's progress bar: silent when quick, naming each phase and its seconds when slow."""
 
+import io
+import sys
+
 from dynaflow_fn.jitting import cold_start
 from dynaflow_fn.jitting.cold_start import ColdStart
 
@@ -18,9 +21,22 @@ def test_a_quick_first_call_prints_nothing(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_slow_first_call_names_its_phases_and_their_seconds(monkeypatch, capsys):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_slow_first_call_names_its_phases_on_a_terminal_and_their_seconds(monkeypatch):
+    monkeypatch.setattr(cold_start, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(sys, "stderr", terminal := _Terminal())
+    _first_call("slow")
+    shown = terminal.getvalue()
+    assert "df.jit(slow), trace 0.0s, inductor 0.0s, lower 0.0s, capture 0.0s" in shown
+    assert "capture..." in shown                                         # named while it ran
+
+
+def test_a_slow_first_call_leaves_one_line_in_a_log(monkeypatch, capsys):
     monkeypatch.setattr(cold_start, "SHOW_AFTER_S", 0.0)
     _first_call("slow")
     shown = capsys.readouterr().err
-    assert "df.jit(slow), trace 0.0s, inductor 0.0s, lower 0.0s, capture 0.0s" in shown
-    assert "capture..." in shown                                         # named while it ran
+    assert shown.replace("\r", "") == "df.jit(slow), trace 0.0s, inductor 0.0s, lower 0.0s, capture 0.0s\n"
