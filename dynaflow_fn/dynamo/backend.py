@@ -18,6 +18,7 @@ from torch import fx
 from .. import compat
 from ..errors import InputError, TraceError, warn
 from ..jitting.jitted import Jitted, jit
+from ..jitting.state import is_state
 from .specializing import Specialized, has_symbolic_inputs, lift_item_reads
 from .training import TrainingGraph
 
@@ -63,19 +64,23 @@ class CompileBackend:
         passed = _passed_by_the_caller(graph_module)
         graph_module, reads = lift_item_reads(graph_module)
         if not reads and not has_symbolic_inputs(example_inputs):
-            return self._jit(graph_module.forward, passed)
+            return self._jit(graph_module.forward, passed, example_inputs)
         placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
         example_inputs = [*example_inputs, *(node.meta.get("example_value") for node in placeholders[len(passed):])]
-        passed_tensors = [p for p, value in zip(passed, example_inputs) if isinstance(value, torch.Tensor)]
+        tensors = [i for i, value in enumerate(example_inputs[:len(passed)]) if isinstance(value, torch.Tensor)]
+        passed, examples = [passed[i] for i in tensors], [example_inputs[i] for i in tensors]
         return Specialized(graph_module.forward, [node.name for node in placeholders], example_inputs, "forward",
-                           lambda fn: self._jit(fn, passed_tensors), reads)
+                           lambda fn: self._jit(fn, passed, examples), reads)
 
-    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None]) -> Jitted:
-        """df.jit of an inference graph's function of its tensor inputs, `passed` saying per input
-        whether it was reached from an argument of the compiled function."""
+    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None], examples: Sequence[torch.Tensor]) -> Jitted:
+        """df.jit of an inference graph's function of its tensor inputs (`examples`, Dynamo's), `passed`
+        saying per input whether it was reached from an argument of the compiled function. What
+        in_axes="arguments" splits is what was passed and is no model state (a parameter reached
+        through `self` is passed too)."""
         options = dict(self.jit_options)
         if self.in_axes == "arguments":
-            options["in_axes"] = tuple(0 if p else None for p in passed) if any(passed) else None
+            batched = [p is True and not is_state(example) for p, example in zip(passed, examples)]
+            options["in_axes"] = tuple(0 if b else None for b in batched) if any(batched) else None
         options.setdefault("persistent_argnums", tuple(i for i, p in enumerate(passed) if p is False))
         return self._jitted(fn, options)
 
@@ -113,8 +118,8 @@ def check_sizes_known(graph_module: fx.GraphModule) -> None:
         return
     raise TraceError(
         f"{_op_text(node)}{_where(node)} gives a result whose size or value depends on tensor data, which "
-        f"Dynamo captured because torch._dynamo.config."
-        f"capture_dynamic_output_shape_ops or capture_scalar_outputs is set. dynaflow_fn plans have static "
+        f"Dynamo captured because torch._dynamo.config.capture_dynamic_output_shape_ops or "
+        f"capture_scalar_outputs is set. dynaflow_fn plans have static "
         f"shapes: leave both off (the default), so that Dynamo runs that op outside the graph, or keep the "
         f"size static (torch.where or masked_fill instead of indexing with a mask or nonzero).")
 
@@ -129,7 +134,7 @@ def _op_text(node: fx.Node) -> str:
 def _where(node: fx.Node) -> str:
     """` at file:line (`code`)` for the user's line in a node's stack trace; empty without one."""
     lines = [line.strip() for line in (node.stack_trace or "").strip().splitlines()]
-    frames = [(i, _FRAME.match(line)) for i, line in enumerate(lines) if _FRAME.match(line)]
+    frames = [(i, frame) for i, line in enumerate(lines) if (frame := _FRAME.match(line))]
     if not frames:
         return ""
     index, frame = frames[-1]
