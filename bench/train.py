@@ -11,6 +11,10 @@ packed sequences), so its traced attention carries an explicit mask that eager P
                            (PyTorch's documented training recipe)
   compile-reduce-overhead  torch.compile(model, mode="reduce-overhead"): those kernels replayed through
                            cudagraph trees, torch.compiler.cudagraph_mark_step_begin() before each step
+  compile-df-backend       torch.compile(model, backend=df.compile_backend()) and the fused AdamW eager: the
+                           compile row's recipe with df planning each graph AOTAutograd derives (forward and
+                           backward, each one CUDA graph of Inductor's kernels); what an unmodified
+                           torch.compile training loop gets from dynaflow_fn
   compile-step             the whole step (forward, loss, backward, AdamW step, zero_grad) in one
                            torch.compile'd function, compiled autograd capturing the backward and Dynamo
                            the optimizer step (PyTorch's compiled optimizer: Inductor fuses AdamW's foreach
@@ -54,7 +58,7 @@ from bench.common import peak_memory_mb, print_table, release, time_variants, wr
 VOCAB = 32000
 WARMUP_STEPS = 3          # the steps up to ready_s; the third step's loss is loss_after_warmup
 COMPILED = ("compile", "compile-reduce-overhead", "compile-step")
-OPTIONAL = {"compile-step"}                     # a build error leaves the variant out instead of ending the run
+OPTIONAL = {"compile-step", "compile-df-backend"}  # a build error leaves the variant out instead of ending the run
 UNCOUNTED_MEMORY = {"compile-reduce-overhead"}  # cudagraph trees: the allocator's counters are rewritten
 CASES = {"1x128": (1, 128, "plain"), "8x2048": (8, 2048, "plain"), "hf-8x2048": (8, 2048, "hf")}  # batch, tokens, model
 COLUMNS = ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_best_compile",
@@ -93,8 +97,20 @@ def autograd_training(ids: torch.Tensor, kind: str = "plain", mode: str | None =
     """The model stepped by eager autograd and torch.optim.AdamW(fused=True): eager PyTorch, or with
     `mode`, the model under torch.compile(model, mode=mode) and the rest as before."""
     model = make_model(ids.device, kind)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     forward = model if mode is None else torch.compile(model, mode=mode, dynamic=False)
+    return autograd_steps(model, forward, ids, kind, mode)
+
+
+def df_backend_training(ids: torch.Tensor, kind: str = "plain"):
+    """The compile row's recipe with df.compile_backend behind torch.compile, as a user writes it."""
+    model = make_model(ids.device, kind)
+    return autograd_steps(model, torch.compile(model, backend=df.compile_backend()), ids, kind)
+
+
+def autograd_steps(model: torch.nn.Module, forward: Callable, ids: torch.Tensor, kind: str, mode: str | None = None):
+    """step() of `forward` (the model, compiled or not, compiled with `mode`) on `ids`, stepped by
+    eager autograd and fused AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     new_step = torch.compiler.cudagraph_mark_step_begin if mode == "reduce-overhead" else (lambda: None)
 
     def step():
@@ -151,6 +167,7 @@ VARIANTS: dict[str, Callable[[torch.Tensor, str], Callable[[], torch.Tensor]]] =
     "eager": autograd_training,
     "compile": lambda ids, kind: autograd_training(ids, kind, mode="default"),
     "compile-reduce-overhead": lambda ids, kind: autograd_training(ids, kind, mode="reduce-overhead"),
+    "compile-df-backend": df_backend_training,
     "compile-step": compiled_step_training,
     "df": df_training,
     "df.aten": lambda ids, kind: df_training(ids, kind, backend="cudagraph"),

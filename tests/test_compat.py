@@ -2,6 +2,7 @@
 
 import contextlib
 from typing import Any, Callable, Iterator
+import sys
 
 import pytest
 import torch
@@ -379,3 +380,67 @@ def test_leaf_checker_calls_guard_bindings_without_a_user_stack_where_they_take_
     assert compat.leaf_checker(example, checks) is not None
     assert added == [("tensor", [2, 3], [3, 1], torch.Tensor), ("equals", 2), ("equals", True),
                      ("tensor", [4, 4], [4, 1], torch.Tensor)]
+class _Doubled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return (x * self.weight).sin()
+
+
+def test_aot_autograd_backend_hands_over_a_forward_and_a_backward_graph():
+    compiled_graphs = []
+
+    def compiler(name):
+        def compile_graph(graph_module, example_inputs):
+            compiled_graphs.append(name)
+            return compat.boxed(graph_module)
+        return compile_graph
+
+    backend = compat.aot_autograd_backend(compiler("forward"), compiler("backward"))
+    model = _Doubled()
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(3)).sum().backward()
+    assert compiled_graphs == ["forward", "backward"] and model.weight.grad is not None
+
+
+def test_aot_autograd_backend_without_aot_autograd_is_none(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch._dynamo.backends.common", None)
+    assert compat.aot_autograd_backend(lambda *a: None, lambda *a: None) is None
+
+
+def test_recomputing_partitioner_needs_networkx(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    assert (compat.recomputing_partitioner() is None) == (real("networkx") is None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "networkx" else real(name, *a))
+    assert compat.recomputing_partitioner() is None
+
+
+@pytest.mark.parametrize("with_torchs", [True, False])
+def test_boxed_calls_with_one_list_of_arguments(monkeypatch, with_torchs):
+    if not with_torchs:
+        monkeypatch.setitem(sys.modules, "torch._functorch.aot_autograd", None)
+    call = compat.boxed(lambda a, b: a - b)
+    assert call._boxed_call is True and call([5, 3]) == 2
+
+
+def test_first_unbacked_node_finds_the_op_whose_size_depends_on_data(monkeypatch):
+    found = []
+
+    def record(graph_module, example_inputs):
+        found.append(compat.first_unbacked_node(graph_module))
+        return graph_module.forward
+
+    def fn(x):
+        return (x + 1).nonzero().sum()
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(fn, backend=record)(torch.randn(4))
+    torch.compile(lambda x: x * 2, backend=record)(torch.randn(4))
+    assert found[0].target == "nonzero" and found[1] is None
+    monkeypatch.setitem(sys.modules, "torch.fx.experimental.symbolic_shapes", None)
+    assert compat.first_unbacked_node(torch.fx.symbolic_trace(lambda x: x.nonzero())) is None

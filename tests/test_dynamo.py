@@ -1,12 +1,17 @@
 """`df.compile_backend` behind the clients users already run: transformers' generate() with a static
-KV cache, through torch.compile."""
+KV cache, torch.compile's default dynamic shapes, and training loops (backward, optimizer steps)."""
+
+import copy
+import inspect
+import sys
+import warnings
 
 import pytest
 import torch
 
 import dynaflow_fn as df
 from dynaflow_fn.jitting.jitted import Jitted
-from models import tiny_llama
+from models import MLP, Block, ConvNet, tiny_causal_lm, tiny_llama
 
 
 def _static_cache_llama():
@@ -55,3 +60,265 @@ def test_generate_on_cuda_captures_each_graph_once_over_32_steps():
     assert (got == expected).float().mean() > 0.95                # Inductor's rounding may flip a late argmax
     assert torch.equal(got[:, :ids.shape[1] + 4], expected[:, :ids.shape[1] + 4])
     assert [g.cache_info().captures for g in backend.graphs] == [1] * len(backend.graphs)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo's caches are global and cap recompiles per code object: every test starts and leaves them empty."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _counting(backend):
+    """The backend, counting the graphs Dynamo hands it."""
+    captured = []
+
+    def count(graph_module, example_inputs):
+        captured.append(graph_module)
+        return backend(graph_module, example_inputs)
+    return count, captured
+
+
+# --- dynamic shapes ---------------------------------------------------------------------------------------
+
+
+def test_default_dynamic_shapes_plan_each_length_once_and_replay_it_after():
+    model = Block().eval()
+    backend = df.compile_backend(progress=False)
+    compiled, captured = _counting(backend)
+    compiled = torch.compile(model, backend=compiled)
+    reference, reference_captured = _counting(lambda graph_module, example_inputs: graph_module.forward)
+    reference = torch.compile(Block().eval(), backend=reference)
+    lengths = (5, 7, 9, 7, 5, 9)
+    with torch.no_grad():
+        for length in lengths[:3] * 2:                                   # warm: every length seen, twice
+            x = torch.randn(2, length, 32)
+            torch.testing.assert_close(compiled(x), model(x))
+            reference(x)
+        warm = [g.cache_info() for g in backend.graphs]
+        for length in lengths:
+            x = torch.randn(2, length, 32)
+            torch.testing.assert_close(compiled(x), model(x))
+            reference(x)
+    assert len(captured) == len(reference_captured) == 2                 # torch's own: static 5, then dynamic
+    assert [g.cache_info().misses for g in backend.graphs] == [info.misses for info in warm] == [1] * 4
+    assert sum(g.cache_info().hits for g in backend.graphs) == sum(info.hits for info in warm) + len(lengths)
+
+
+def test_each_concrete_signature_gets_its_own_plan_and_the_sizes_are_bound_into_it():
+    model = Block().eval()
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for length in (3, 4):
+            compiled(torch.randn(2, length, 32))
+    assert len(backend.graphs) == 2
+    for jitted, length in zip(backend.graphs, (3, 4)):
+        (plan,) = jitted.plans()
+        shapes = [plan.slots[index].layout.shape for index in plan.input_slots]
+        assert [shape for shape in shapes if len(shape) == 3] == [(2, length, 32)]
+        assert "l_x_" in inspect.signature(jitted.fn).parameters           # sizes bound: tensors only
+        assert not any(name.startswith("s") for name in inspect.signature(jitted.fn).parameters)
+
+
+def test_many_distinct_lengths_warn_with_df_jits_retrace_warning():
+    compiled = torch.compile(Block().eval(), backend=df.compile_backend(progress=False), dynamic=True)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"traced for 9 different input signatures \(s\w+ changed"):
+        for length in range(2, 12):
+            compiled(torch.randn(2, length, 32))
+
+
+def test_a_float_argument_that_changes_is_bound_per_value():
+    def scaled_norm(x, scale):
+        return torch.nn.functional.layer_norm(x, (4,), eps=scale) * scale   # eps must be a Python float
+
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(scaled_norm, backend=backend)
+    scales = (0.5, 0.7, 0.9, 0.7, -0.0, 0.0)                            # a dynamic float from 0.7 on
+    with torch.no_grad():
+        for scale in scales:
+            x = torch.randn(3, 4)
+            torch.testing.assert_close(compiled(x, scale), scaled_norm(x, scale))
+            assert torch.equal(torch.signbit(compiled(x, scale)), torch.signbit(scaled_norm(x, scale)))
+    assert [g.cache_info().misses for g in backend.graphs] == [1] * 5    # one plan per distinct value
+
+
+def test_a_size_from_tensor_data_is_a_trace_error_naming_the_op_and_the_line():
+    def positives_sum(x):
+        return x.nonzero().float().sum()
+
+    compiled = torch.compile(positives_sum, backend=df.compile_backend(progress=False))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), torch.no_grad(), \
+            pytest.raises(Exception, match=r"Tensor.nonzero at .*test_dynamo.py:\d+ \(`return x.nonzero") as raised:
+        compiled(torch.randn(8))
+    error = getattr(raised.value, "inner_exception", raised.value)           # Dynamo wraps what a backend raises
+    assert isinstance(error, df.TraceError) and "capture_dynamic_output_shape_ops" in str(error)
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+
+def _without_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def _assert_same_gradients(model, reference, rtol=1e-4, atol=1e-5):
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_training_through_torch_compile_gives_eagers_gradients_and_steps(family):
+    model = _without_dropout(tiny_causal_lm(family, layers=1))
+    reference = copy.deepcopy(model)
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(model, backend=backend)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for length in (6, 9, 9):                                          # a static graph, then a dynamic one
+        ids = torch.randint(0, 64, (2, length))
+        loss = compiled(ids, labels=ids, use_cache=False).loss
+        expected = reference(ids, labels=ids, use_cache=False).loss
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+        loss.backward()
+        expected.backward()
+        _assert_same_gradients(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(dict(model.named_parameters()), dict(reference.named_parameters()))
+    assert {jitted.name for jitted in backend.graphs} == {"forward", "backward"}
+    assert all(jitted.cache_info().misses == 1 for jitted in backend.graphs)
+
+
+def test_training_with_batch_norm_updates_its_statistics_as_eager_does():
+    model = ConvNet().train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=df.compile_backend(progress=False))
+    for _ in range(2):
+        x = torch.randn(4, 3, 8, 8)
+        compiled(x).square().mean().backward()
+        reference(x).square().mean().backward()
+    _assert_same_gradients(model, reference)
+    torch.testing.assert_close(dict(model.named_buffers()), dict(reference.named_buffers()))
+    assert int(model.bn.num_batches_tracked) == 2
+
+
+class Views(torch.nn.Module):
+    """Returns views: of an intermediate, and of the argument at an offset that depends on its size."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h[x.shape[0] // 2:, 2:], x.view(x.shape[0] * 2, 4)[x.shape[0] // 2:]
+
+
+def test_training_outputs_that_are_views_are_views_of_the_right_elements():
+    model = Views()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=df.compile_backend(progress=False))
+    for rows in (4, 6, 7):                                            # symbolic offsets from 6 on
+        x = torch.randn(rows, 8)
+        outputs, expected = compiled(x), reference(x)
+        torch.testing.assert_close(outputs, expected)
+        assert outputs[2].data_ptr() == x.data_ptr() + expected[2].storage_offset() * x.element_size()
+        assert outputs[1].untyped_storage().data_ptr() == outputs[0].untyped_storage().data_ptr()
+        (outputs[0].sum() + outputs[1].square().sum()).backward()
+        (expected[0].sum() + expected[1].square().sum()).backward()
+        _assert_same_gradients(model, reference)
+
+
+def test_backward_takes_gradients_of_any_layout():
+    model = MLP()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=df.compile_backend(progress=False), dynamic=False)
+    x = torch.randn(8, 32)
+    for weight in (torch.randn(16, 8).t(), torch.randn(1, 16).expand(8, 16), torch.randn(8, 16)):
+        (compiled(x) * weight).sum().backward()
+        (reference(x) * weight).sum().backward()
+        _assert_same_gradients(model, reference)
+
+
+class CondNet(torch.nn.Module):
+    """A branch on tensor data kept in the graph by torch.cond, which df.jit does not plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cond(h.sum() > 0, torch.sin, torch.cos, (h,)) * 2
+
+
+def test_a_training_graph_df_cannot_plan_runs_with_aten_kernels_after_a_warning():
+    model = CondNet()
+    reference = copy.deepcopy(model)
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="cannot plan this (forward|backward) graph of a training step .*cond") as caught:
+        compiled(x).sum().backward()
+    assert sorted(str(w.message).split()[4] for w in caught) == ["backward", "forward"]
+    reference(x).sum().backward()
+    _assert_same_gradients(model, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                               # warned once: aten from then on
+        compiled(x).sum().backward()
+    assert [jitted.cache_info().entries for jitted in backend.graphs] == [0, 0]
+
+
+def test_under_no_grad_the_captured_graph_is_planned_as_it_is():
+    model = MLP()
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch.no_grad():
+        x = torch.randn(4, 32)
+        torch.testing.assert_close(compiled(x), model(x))
+    (jitted,) = backend.graphs
+    inputs = [node.name for node in jitted.fn.__self__.graph.nodes if node.op == "placeholder"]
+    assert "l_x_" in inputs and not any(name.startswith("primals") for name in inputs)   # Dynamo's, not AOTAutograd's
+
+
+def test_without_aot_autograd_training_runs_dynamos_graph_with_eager_autograd(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch._dynamo.backends.common", None)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 32)
+    with pytest.warns(UserWarning, match="AOTAutograd, which this torch lacks"):
+        compiled(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_same_gradients(model, reference)
+    assert backend.graphs == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["cudagraph", "auto"])
+def test_training_on_cuda_replays_one_cuda_graph_per_forward_and_backward(kernels):
+    model = _without_dropout(tiny_llama(layers=2)).cuda()
+    reference = copy.deepcopy(model)
+    backend = df.compile_backend(backend=kernels, progress=False)
+    compiled = torch.compile(model, backend=backend)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, reference)]
+    tolerance = dict(rtol=1e-4, atol=1e-5) if kernels == "cudagraph" else dict(rtol=2e-3, atol=2e-4)
+    for step in range(4):
+        ids = torch.randint(0, 128, (2, 16), device="cuda")
+        loss = compiled(ids, labels=ids, use_cache=False).loss
+        expected = reference(ids, labels=ids, use_cache=False).loss
+        torch.testing.assert_close(loss, expected, **tolerance)
+        loss.backward()
+        expected.backward()
+        _assert_same_gradients(model, reference, **tolerance)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert {jitted.name for jitted in backend.graphs} == {"forward", "backward"}
+    assert [jitted.cache_info().captures for jitted in backend.graphs] == [1] * len(backend.graphs)

@@ -1,7 +1,5 @@
 """backend="inductor" and df.compile_backend, against eager PyTorch on the CPU (Inductor's C++ kernels)."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -221,15 +219,3 @@ def test_compile_backend_applies_transforms_to_each_captured_graph():
         torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
     provenance = [plan.provenance for jitted in compile_backend.graphs for plan in jitted.plans()]
     assert provenance and all(any(p.startswith("overlap(branches") for p in passes) for passes in provenance)
-
-
-def test_compile_backend_with_gradients_enabled_is_an_error():
-    compiled = torch.compile(FlagModel(), backend=df.compile_backend(progress=False), dynamic=False)
-    with pytest.raises(Exception, match="torch.no_grad"):
-        compiled(torch.randn(4, 16), True)
-
-
-def test_compile_backend_needs_static_shapes():
-    compiled = torch.compile(FlagModel(), backend=df.compile_backend(progress=False), dynamic=True)
-    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(Exception, match="dynamic=False"):
-        compiled(torch.randn(4, 16), True)

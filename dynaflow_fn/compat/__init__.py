@@ -326,3 +326,8 @@ def inductor_compiler() -> Callable[[fx.GraphModule, list], Any]:
 def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list) -> Any:
     """Compile an aten graph with Inductor: a callable that runs its fused kernels."""
     return inductor_compiler()(graph_module, example_inputs)
+
+
+from .aot import aot_autograd_backend, boxed, first_unbacked_node, recomputing_partitioner  # noqa: E402
+
+__all__ += ["aot_autograd_backend", "boxed", "first_unbacked_node", "recomputing_partitioner"]

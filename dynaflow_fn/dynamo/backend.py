@@ -1,0 +1,191 @@
+"""`CompileBackend`: what torch.compile calls with each graph Dynamo captures.
+
+A graph captured without gradients (under torch.no_grad() or inference_mode, or with nothing that
+requires grad) goes to df.jit as it is. A graph captured with gradients goes through AOTAutograd
+first (`training`), which splits it into a forward and a backward graph, and each goes to df.jit.
+Either way a graph whose sizes are symbolic is planned per concrete signature (`specializing`), and
+a graph whose sizes depend on tensor data cannot be planned at all (`check_sizes_known`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from .. import compat
+from ..errors import InputError, TraceError, warn
+from ..jitting.jitted import Jitted, jit
+from ..jitting.state import is_state
+from .specializing import Specialized, has_symbolic_inputs, lift_item_reads
+from .training import TrainingGraph
+
+_INFERENCE_ONLY_OPTIONS = ("static_outputs", "persistent_argnums", "donate_argnums")
+"""df.jit options that apply to inference graphs only: a training graph's outputs must outlive the
+next call, and its inputs are AOTAutograd's, not the positions the caller sees."""
+
+
+class CompileBackend:
+    """A `torch.compile` backend that runs each captured graph through `df.jit`.
+
+    `graphs` lists the jitted functions, in the order they were made: one per captured graph and
+    concrete signature, and for training one per forward and per backward graph. Their plans can
+    be inspected: `backend.graphs[0].plans()`.
+    """
+
+    def __init__(self, strategy: str | None, transforms: Callable[[Callable], Callable] | None, backend: str,
+                 in_axes: str | None, jit_options: dict[str, Any]):
+        if in_axes not in (None, "arguments"):
+            raise InputError(f"compile_backend takes in_axes=None or 'arguments', got {in_axes!r}")
+        if in_axes is not None and strategy != "auto":
+            raise InputError("in_axes='arguments' tells strategy='auto' what to micro-batch; pass strategy='auto'")
+        self.strategy = strategy
+        self.transforms = transforms
+        self.backend = backend
+        self.in_axes = in_axes
+        self.jit_options = jit_options
+        self.graphs: list[Jitted] = []
+
+    def __repr__(self) -> str:
+        return f"df.compile_backend(strategy={self.strategy!r}, backend={self.backend!r})"
+
+    def __call__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        check_sizes_known(graph_module)
+        if torch.is_grad_enabled() and any(isinstance(value, torch.Tensor) and value.requires_grad
+                                           for value in example_inputs):
+            return self._training(graph_module, example_inputs)
+        return self._inference(graph_module, example_inputs)
+
+    # --- inference: the captured graph itself ----------------------------------------------------
+
+    def _inference(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        passed = _passed_by_the_caller(graph_module)
+        graph_module, reads = lift_item_reads(graph_module)
+        if not reads and not has_symbolic_inputs(example_inputs):
+            return self._jit(graph_module.forward, passed, example_inputs)
+        placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+        example_inputs = [*example_inputs, *(node.meta.get("example_value") for node in placeholders[len(passed):])]
+        tensors = [i for i, value in enumerate(example_inputs[:len(passed)]) if isinstance(value, torch.Tensor)]
+        passed, examples = [passed[i] for i in tensors], [example_inputs[i] for i in tensors]
+        return Specialized(graph_module.forward, [node.name for node in placeholders], example_inputs, "forward",
+                           lambda fn: self._jit(fn, passed, examples), reads)
+
+    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None], examples: Sequence[torch.Tensor]) -> Jitted:
+        """df.jit of an inference graph's function of its tensor inputs (`examples`, Dynamo's), `passed`
+        saying per input whether it was reached from an argument of the compiled function. What
+        in_axes="arguments" splits is what was passed and is no model state (a parameter reached
+        through `self` is passed too)."""
+        options = dict(self.jit_options)
+        if self.in_axes == "arguments":
+            batched = [p is True and not is_state(example) for p, example in zip(passed, examples)]
+            options["in_axes"] = tuple(0 if b else None for b in batched) if any(batched) else None
+        options.setdefault("persistent_argnums", tuple(i for i, p in enumerate(passed) if p is False))
+        return self._jitted(fn, options)
+
+    def _jitted(self, fn: Callable[..., Any], options: dict[str, Any]) -> Jitted:
+        if self.transforms is not None:
+            fn = self.transforms(fn)
+        jitted = jit(fn, backend=self.backend, strategy=self.strategy, **options)
+        self.graphs.append(jitted)
+        return jitted
+
+    # --- training: AOTAutograd's forward and backward graphs ---------------------------------------
+
+    def _training(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        aot_autograd = compat.aot_autograd_backend(self._compiler("forward"), self._compiler("backward"))
+        if aot_autograd is None:
+            warn("df.compile_backend trains through AOTAutograd, which this torch lacks: the graph runs as "
+                 "Dynamo captured it, op by op, with eager autograd.")
+            return graph_module.forward
+        return aot_autograd(graph_module, example_inputs)
+
+    def _compiler(self, name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[[list], Any]]:
+        options = {k: v for k, v in self.jit_options.items() if k not in _INFERENCE_ONLY_OPTIONS}
+
+        def compile_graph(graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
+            return compat.boxed(TrainingGraph(graph_module, example_inputs, name,
+                                              lambda fn: self._jitted(fn, dict(options))))
+        return compile_graph
+
+
+def check_sizes_known(graph_module: fx.GraphModule) -> None:
+    """Refuse a graph with a size known only from tensor data (an unbacked SymInt): no concrete call
+    fixes it, so no static plan can hold it."""
+    node = compat.first_unbacked_node(graph_module)
+    if node is None:
+        return
+    raise TraceError(
+        f"{_op_text(node)}{_where(node)} gives a result whose size or value depends on tensor data, which "
+        f"Dynamo captured because torch._dynamo.config.capture_dynamic_output_shape_ops or "
+        f"capture_scalar_outputs is set. dynaflow_fn plans have static "
+        f"shapes: leave both off (the default), so that Dynamo runs that op outside the graph, or keep the "
+        f"size static (torch.where or masked_fill instead of indexing with a mask or nonzero).")
+
+
+def _op_text(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+
+
+def _where(node: fx.Node) -> str:
+    """` at file:line (`code`)` for the user's line in a node's stack trace; empty without one."""
+    lines = [line.strip() for line in (node.stack_trace or "").strip().splitlines()]
+    frames = [(i, frame) for i, line in enumerate(lines) if (frame := _FRAME.match(line))]
+    if not frames:
+        return ""
+    index, frame = frames[-1]
+    code = f" (`{lines[index + 1]}`)" if index + 1 < len(lines) else ""
+    return f" at {frame['file']}:{frame['line']}{code}"
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _passed_by_the_caller(graph_module: fx.GraphModule) -> list[bool | None]:
+    """Per input of a Dynamo graph, from Dynamo's record of where it came from: True if it was reached
+    from an argument of the compiled function, False if from elsewhere (globals, closures: read in
+    place, like the state df.jit reads in place anyway), None where no record says.
+
+    Reached from an argument means per call: the token ids, positions and masks of every decoding
+    step are new tensors, so they are copied in. A model's state reached through `self` or an argument
+    is read in place all the same, because it is marked: parameters are, Dynamo marks the other
+    tensors of modules static, and transformers marks its static KV caches."""
+    return [compat.dynamo_input_origin(node) for node in graph_module.graph.nodes if node.op == "placeholder"]
+
+
+def compile_backend(strategy: str | None = None, transforms: Callable[[Callable], Callable] | None = None,
+                    backend: str = "auto", in_axes: str | None = None, **jit_options: Any) -> CompileBackend:
+    """A backend for `torch.compile(model, backend=df.compile_backend(...))`.
+
+    Every graph Dynamo captures is planned by `df.jit`, for inference and for training:
+
+    * dynamic shapes (torch.compile's default): a graph with symbolic sizes is planned once per
+      concrete signature, on its first call with it; a call at a size seen before replays that plan,
+      costing what it costs with `dynamic=False`. Many distinct sizes warn, as df.jit does: pad
+      inputs to a few fixed lengths. A size that depends on tensor data (`nonzero` captured with
+      `capture_dynamic_output_shape_ops`) is a TraceError.
+    * training: with gradients enabled, AOTAutograd splits each graph into a forward and a backward
+      aten graph, each planned by df.jit; `loss.backward()` and an optimizer step outside work as in
+      eager PyTorch, batch norm's buffer updates included. A graph df cannot plan runs with aten
+      kernels after a warning. Under torch.no_grad() the captured graph is planned as it is.
+
+    strategy: None, or "auto" to time candidate strategies per graph (see `df.jit`).
+    in_axes: "arguments" lets strategy="auto" try micro-batching inference graphs: the tensors the
+        model is called with are split along dimension 0, parameters and buffers are shared. Use it
+        when every tensor argument is batch-major ([batch, ...]); by default only candidates without
+        splitting are tried.
+    transforms: a transform applied to each graph's function before jit, e.g.
+        `T.overlap(strategy="branches")`. The function takes the graph's flat tensor inputs
+        (parameters and buffers included), so micro-batching needs `in_axes` over those.
+    backend: "auto", "eager", "cudagraph" or "inductor" (Inductor kernels per stage).
+    jit_options: passed on to `df.jit` (progress, ...); static_outputs, persistent_argnums and
+        donate_argnums apply to inference graphs only.
+
+    >>> model = torch.compile(model, backend=df.compile_backend())
+    >>> model(x).sum().backward()
+    """
+    return CompileBackend(strategy, transforms, backend, in_axes, jit_options)
