@@ -216,3 +216,32 @@ def test_dynamo_input_origin_follows_source_chains_to_the_frame_arguments():
     assert [origin for name, origin in origins.items() if "global" in name] == [False], origins
     placeholder = torch.fx.Graph().placeholder("x")
     assert compat.dynamo_input_origin(placeholder) is None
+
+
+def test_module_changes_are_reported_by_torchs_own_mutators(monkeypatch):
+    from torch.utils.hooks import RemovableHandle
+
+    reports = []
+    record = lambda owner, attribute: reports.append((owner, attribute))      # noqa: E731
+    monkeypatch.setattr(compat, "_module_observer", [record])
+    model = torch.nn.Linear(2, 2)
+    changes = [
+        (lambda: setattr(model, "scale", 2.0), (model, "scale")),
+        (lambda: delattr(model, "scale"), (model, "scale")),
+        (lambda: model.add_module("child", torch.nn.ReLU()), (model, None)),
+        (lambda: model.register_buffer("stat", torch.zeros(2)), (model, None)),
+        (lambda: model.register_parameter("extra", None), (model, None)),
+        (lambda: model.to(torch.float64), (model, None)),
+        (lambda: model.register_forward_pre_hook(lambda *a: None), (model, None)),
+        (lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None).remove(), (None, None)),
+    ]
+    for change, expected in changes:
+        reports.clear()
+        change()
+        assert expected in reports
+    reports.clear()
+    model.register_forward_hook(lambda *a: None).remove()
+    assert any(owner is model._forward_hooks for owner, _ in reports)
+    monkeypatch.delattr(RemovableHandle, "remove")
+    assert not compat.observe_module_changes(lambda owner, attribute: None)    # observes nothing new
+    assert compat._module_observer == [record]

@@ -113,6 +113,115 @@ def test_modes_read_while_tracing_are_read_as_before_on_other_threads():
     assert seen == [False] * 20000 and "training" not in nn.Module.__dict__
 
 
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus a low-rank update, as PEFT adapters replace one."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.down, self.up = nn.Linear(8, rank, bias=False), nn.Linear(rank, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+_HOOKS = {
+    "forward hook": lambda m: m.fc1.register_forward_hook(lambda mod, args, out: out * 3),
+    "forward hook with kwargs": lambda m: m.fc1.register_forward_hook(lambda mod, a, kw, out: out - 1, with_kwargs=True),
+    "forward pre-hook": lambda m: m.fc1.register_forward_pre_hook(lambda mod, args: (args[0] * 2,)),
+    "global forward hook": lambda m: torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out + 1 if isinstance(mod, nn.Linear) else None),
+    "global forward pre-hook": lambda m: torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, args: (args[0].flip(-1),) if isinstance(mod, nn.Linear) else None),
+}
+
+
+@pytest.mark.parametrize("kind", list(_HOOKS))
+def test_a_hook_registered_or_removed_after_the_first_call_is_seen(kind):
+    model = TwoLayers()
+    fast = df.jit(lambda x: model(x))
+    with torch.no_grad():
+        fast(torch.randn(4, 8))
+        handle = _HOOKS[kind](model)
+        try:
+            for _ in range(2):
+                x = torch.randn(4, 8)
+                torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+        finally:
+            handle.remove()
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 2                        # without the hook, the first plan again
+
+
+def test_a_submodule_replaced_after_the_first_call_is_seen():
+    model = TwoLayers()
+    fn, params = df.pure(model)
+    closure, pure = df.jit(lambda x: model(x)), df.jit(lambda x: fn(params, x))
+    with torch.no_grad():
+        closure(torch.randn(4, 8)), pure(torch.randn(4, 8))
+        model.fc1 = LoRALinear(model.fc1)
+        nn.init.normal_(model.fc1.up.weight)
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(closure(x), model(x), rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="Missing key"):
+            fn(params, x)                                       # the old params no longer fit the model
+        with pytest.raises(df.TraceError, match="Missing key"):
+            pure(x)
+
+
+def test_a_parameter_or_attribute_replaced_after_the_first_call_is_seen():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.scale = nn.Linear(8, 8), 2.0
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    model = Scaled()
+    fast = df.jit(lambda x: model(x))
+    changes = [lambda: setattr(model, "scale", 0.5),
+               lambda: setattr(model.fc, "weight", nn.Parameter(torch.randn(8, 8))),
+               lambda: model.fc.register_buffer("bias", torch.randn(8)) if delattr(model.fc, "bias") is None else None,
+               lambda: torch.nn.utils.parametrize.register_parametrization(model.fc, "weight", Doubled())]
+    with torch.no_grad():
+        for change in changes:
+            fast(torch.randn(4, 8))
+            change()
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 1 + len(changes)
+
+
+class Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def test_changes_to_modules_a_plan_does_not_read_trace_nothing_again():
+    model, other = TwoLayers(), TwoLayers()
+    fast = df.jit(lambda x: model(x))
+    with torch.no_grad():
+        fast(torch.randn(4, 8))
+        other.fc1 = nn.Linear(8, 8)
+        other.register_forward_hook(lambda mod, args, out: out * 2).remove()
+        nn.CrossEntropyLoss()
+        model.eval()
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 1
+
+
 def test_default_dtype_and_autocast_are_part_of_the_key():
     fast = df.jit(lambda x: x @ x.T + torch.ones(x.shape[0]))
     x = torch.randn(4, 4)

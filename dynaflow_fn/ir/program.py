@@ -141,8 +141,10 @@ class Program:
     The graph's placeholders are the tensor leaves of the arguments, in flatten order, then the
     `captured` tensors the function closes over (see `closure`). `module_modes` records the
     `training` flag of every module whose flag the trace read, which the traced ops depend on
-    (dropout, batch norm; see `mode_reads`). Calling a Program runs its graph eagerly, which is handy as a reference. Printing
-    it shows code.
+    (dropout, batch norm; see `mode_reads`). `objects_read` are the modules the trace called or found
+    in the function's closure and the instance of a bound method, whose Python attributes (hooks,
+    submodules, parameters, plain attributes) the traced ops depend on too. Calling a Program runs its
+    graph eagerly, which is handy as a reference. Printing it shows code.
     """
 
     graph_module: fx.GraphModule
@@ -158,6 +160,7 @@ class Program:
     passes: tuple[Any, ...] = field(default=(), compare=False)
     captured: tuple[Captured, ...] = field(default=(), compare=False)
     module_modes: tuple[tuple[torch.nn.Module, bool], ...] = field(default=(), compare=False)
+    objects_read: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
     def graph(self) -> fx.Graph:

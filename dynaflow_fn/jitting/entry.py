@@ -24,6 +24,7 @@ from ..runtime.eager import EagerExecutable
 from .cold_start import ColdStart
 from .guard import Guard, check_no_aliasing, picker
 from .inputs import TensorInputs
+from .object_watch import ObjectWatch
 from .state import is_state
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -37,9 +38,10 @@ class Entry:
 
     def __init__(self, plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]], inputs: TensorInputs,
                  backend: str, static_outputs: bool, on_capture: Callable[[], None], fn_name: str,
-                 cold_start: ColdStart | None = None):
+                 cold_start: ColdStart | None = None, watch: ObjectWatch | None = None):
         self.plan = plan
         self.module_modes = tuple(module_modes)
+        self.watch = watch or ObjectWatch(())         # the hooks, submodules and attributes it was traced under
         self.tensor_positions = inputs.positions
         self.pick_tensors = picker(inputs.positions)
         self.captured = [c.tensor for c in plan.captured]
@@ -67,8 +69,9 @@ class Entry:
         self._building = threading.Lock()              # threads arriving at once capture once
 
     def stale(self) -> bool:
-        """Whether a closed-over tensor has changed layout: this entry can never run again."""
-        return any(TensorSpec.of(t) != spec for t, spec in zip(self.captured, self.captured_specs))
+        """Whether a closed-over tensor has changed layout, or a hook it was traced with is gone: this
+        entry can never run again."""
+        return any(TensorSpec.of(t) != spec for t, spec in zip(self.captured, self.captured_specs)) or self.watch.dead()
 
     # --- the ways to run --------------------------------------------------------------------------
 
@@ -174,7 +177,8 @@ class Entry:
         return Guard(treedef, leaves, [self.tensor_positions[i] for i in versioned if i < arguments], state,
                      [m for m, _ in self.module_modes],
                      captured_in_place=[self.captured[i - arguments] for i in versioned if i >= arguments],
-                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in versioned])
+                     captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in versioned],
+                     watch=self.watch)
 
     def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs that, like eager ones computed from tensors requiring grad, require grad; their

@@ -8,7 +8,9 @@ A plan is built from one call's arguments and from Python state that tracing and
   the default dtype and device, deterministic algorithms, TF32 and reduced-precision matmuls:
   `call_state`);
 * the `training` flag of every module whose flag the trace read (dropout, batch norm: `mode_reads`);
-* the tensors the function closes over (their layout; they are read in place).
+* the tensors the function closes over (their layout; they are read in place);
+* the Python state of the modules the trace called or closes over, and of a jitted method's
+  instance: hooks, submodules, parameters, attributes (`object_watch`, one counter per call).
 
 Hashing the full key costs about half a microsecond per leaf, as long as a replay for a decode step
 with hundreds of weights, so a call first asks the `Guard` of the entry used last: tensors read in
@@ -92,12 +94,13 @@ class Guard:
     another layout. Every other leaf is compared in full, as in the cache key, and so are the call
     state and the training flags the trace read. Tensors the function closes over
     are the same objects on every call: those read in place (`captured_in_place`) are checked by
-    version, the others (`captured_compared`) in full.
+    version, the others (`captured_compared`) in full. The `watch` (an `object_watch.ObjectWatch`)
+    says whether the modules' Python state is still as traced.
     """
 
     def __init__(self, treedef: Any, leaves: Sequence[Any], in_place: Sequence[int], state: tuple,
                  modules: Sequence[torch.nn.Module] = (), captured_in_place: Sequence[torch.Tensor] = (),
-                 captured_compared: Sequence[torch.Tensor] = ()):
+                 captured_compared: Sequence[torch.Tensor] = (), watch: Any = None):
         self.treedef = treedef
         self.state = state
         self.pick_in_place = picker(in_place)
@@ -112,6 +115,7 @@ class Guard:
         self.captured_versions = list(map(_VERSION, self.captured_in_place))
         self.captured_compared = list(captured_compared)
         self.captured_signature = signature(self.captured_compared)
+        self.watch = watch if watch is not None and watch.watches_anything else None
 
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
         if treedef != self.treedef or state != self.state:
@@ -121,7 +125,8 @@ class Guard:
                 and signature(self.pick_rest(leaves)) == self.rest
                 and list(map(_TRAINING, self.modules)) == self.training
                 and list(map(_VERSION, self.captured_in_place)) == self.captured_versions
-                and signature(self.captured_compared) == self.captured_signature)
+                and signature(self.captured_compared) == self.captured_signature
+                and (self.watch is None or self.watch.unchanged()))
 
 
 def modes_unchanged(module_modes: Sequence[tuple[torch.nn.Module, bool]]) -> bool:

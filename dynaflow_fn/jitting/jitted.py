@@ -32,6 +32,7 @@ from .donation import match_donations
 from .entry import Entry
 from .guard import call_state, modes_unchanged, signature
 from .inputs import TensorInputs, argnums
+from .object_watch import ObjectWatch
 from .retrace import RETRACE_WARNING_ENTRIES, warn_retracing
 
 BACKENDS = ("auto", "eager", "cudagraph", "inductor")
@@ -130,7 +131,8 @@ class Jitted:
         """Forget every plan (and free its CUDA graph and buffers once no output refers to them).
 
         Needed only after changing Python state that tracing read and no check can see, such as a
-        module attribute other than `training` or a global the function branches on."""
+        global the function branches on, a closure variable rebound to another tensor, or a module's
+        hook dict edited directly (see `object_watch`)."""
         with self._compiling:
             self._cache.clear()
             self._last = None
@@ -155,7 +157,7 @@ class Jitted:
         live = [entry for entry in entries if not entry.stale()]
         if len(live) < len(entries):
             self._cache[key] = live
-        return next((entry for entry in live if modes_unchanged(entry.module_modes)), None)
+        return next((entry for entry in live if modes_unchanged(entry.module_modes) and entry.watch.unchanged()), None)
 
     def _entry(self, fn: Callable[..., Any], args: tuple, kwargs: dict, cold_start: ColdStart | None = None
                ) -> Entry:
@@ -170,7 +172,7 @@ class Jitted:
         with cold_start.phase("lower"):
             plan = pipeline.lowered(program, match_donations(program, inputs))
         return Entry(plan, program.module_modes, inputs, self.resolve_backend(plan.device), self.static_outputs,
-                     self._count_capture, self.name, cold_start)
+                     self._count_capture, self.name, cold_start, ObjectWatch(program.objects_read))
 
     def _count_capture(self) -> None:
         self.captures += 1

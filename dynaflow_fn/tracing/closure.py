@@ -59,6 +59,18 @@ def lift_captured(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tuple
     return tuple(captured)
 
 
+def closed_over_objects(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """The modules among the variables `fn` reads from outside (closure cells, the globals it names, the
+    module of `df.pure`) and the instance `self` it is bound to or closes over: objects whose Python
+    attributes a trace of `fn` reads besides those of the modules it calls."""
+    found: dict[int, Any] = {}
+    for name, value in _closure_variables(fn):
+        if isinstance(value, torch.nn.Module) or (name == "self" and hasattr(value, "__dict__")
+                                                  and not isinstance(value, type)):
+            found.setdefault(id(value), value)
+    return tuple(found.values())
+
+
 def _names_of(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> list[str]:
     """Readable names for captured tensors: where the function's closure or globals hold them
     (`params['fc.weight']`, `model.norm.weight`, `scale`), else `captured{k}`. Names are unique."""

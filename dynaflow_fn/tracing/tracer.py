@@ -38,7 +38,7 @@ from ..ir.analyses import eliminate_dead_code
 from ..ir.formatting import op_name
 from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program
 from ..ir.tree import TensorSpec
-from .closure import lift_captured
+from .closure import closed_over_objects, lift_captured
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 
@@ -129,6 +129,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         source=TraceSource(fn, body, abstract_args, abstract_kwargs),
         captured=closed_over,
         module_modes=_module_modes(captured["mode_reads"], recorder.called_modules()),
+        objects_read=tuple({id(o): o for o in (*recorder.called_modules(), *closed_over_objects(fn))}.values()),
     )
 
 
