@@ -32,7 +32,8 @@ from ..compat import (
     make_fx,
     quiet_meta_failures,
 )
-from ..errors import DynaflowError, InputError, MetaKernelRejection, TraceError, is_library_file
+from ..errors import (DynaflowError, InputError, MetaKernelRejection, TraceError, is_installed_package_file,
+                      is_library_file)
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
 from ..ir.formatting import op_name
@@ -247,9 +248,17 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def user_frame(tb: Any) -> traceback.FrameSummary | None:
-    """The innermost frame of a traceback that belongs to neither torch nor dynaflow_fn."""
-    frames = [f for f in traceback.extract_tb(tb) if not is_library_file(f.filename) and not f.filename.startswith("<")]
-    return frames[-1] if frames else None
+    """The line of the traced function's code where the error arose: the innermost frame inside the
+    trace (after `flat_body`; the caller's own line that started the trace is not the culprit) that
+    belongs to neither the standard library, torch nor dynaflow_fn, preferring the user's own files
+    to installed packages (a line of theirs that calls transformers, over transformers' own)."""
+    frames = traceback.extract_tb(tb)
+    entry = next((i for i in reversed(range(len(frames))) if frames[i].name == "flat_body"
+                  and frames[i].filename == __file__), None)
+    inside = [f for f in frames[entry + 1:] if not is_library_file(f.filename) and not f.filename.startswith("<")] \
+        if entry is not None else []
+    own = [f for f in inside if not is_installed_package_file(f.filename)]
+    return (own or inside or [None])[-1]
 
 
 def _where(error: BaseException) -> str:
