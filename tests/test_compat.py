@@ -245,3 +245,23 @@ def test_module_changes_are_reported_by_torchs_own_mutators(monkeypatch):
     monkeypatch.delattr(RemovableHandle, "remove")
     assert not compat.observe_module_changes(lambda owner, attribute: None)    # observes nothing new
     assert compat._module_observer == [record]
+
+
+def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seen = []
+    probe = lambda x: seen.append(compat.ops_are_transformed()) or x * 2       # noqa: E731
+    probe(torch.randn(2))
+    make_fx(probe)(torch.randn(2))
+    torch.func.vmap(probe)(torch.randn(3, 2))
+    torch.func.grad(lambda x: probe(x).sum())(torch.randn(2))
+    with FlopCounterMode(display=False):
+        probe(torch.randn(2))
+    assert seen == [False, True, True, True, True]
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
+    monkeypatch.delattr(torch._C._functorch, "peek_interpreter_stack")
+    seen.clear()
+    make_fx(probe)(torch.randn(2))
+    torch.func.vmap(probe)(torch.randn(3, 2))
+    assert seen == [True, False]                  # a trace is still seen; a transform no longer is

@@ -9,6 +9,10 @@ whose flag the trace read, and the tensors the function closes over (read in pla
 A call that would compute something other than `fn` is refused with a named error instead: arguments
 that share memory with one the plan writes, or backward through a plan's outputs.
 
+Called while ops are traced or transformed (inside another jitted function, `df.trace`, `torch.func.vmap`
+or `torch.func.grad`), a jitted function runs its Python function, so that the trace or transform sees
+its ops, as `jax.jit` inside `jax.jit` is inlined.
+
 `Jitted` is the cache; what it runs on a miss is `pipeline` (trace, passes, lower), what it keeps is
 an `entry.Entry` per plan, and `strategy="auto"` picks among candidate functions in `autotune`.
 """
@@ -23,6 +27,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from .. import compat
 from ..errors import InPlaceInputMoved, InputError
 from ..ir.program import Program
 from ..plan.plan import Plan
@@ -36,6 +41,7 @@ from .object_watch import ObjectWatch
 from .retrace import RETRACE_WARNING_ENTRIES, warn_retracing
 
 BACKENDS = ("auto", "eager", "cudagraph", "inductor")
+_ops_are_transformed = compat.ops_are_transformed
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -79,6 +85,8 @@ class Jitted:
     # --- public API ------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _ops_are_transformed():                 # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
+            return self.fn(*args, **kwargs)
         if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):
             leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:

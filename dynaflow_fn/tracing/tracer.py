@@ -6,6 +6,10 @@ whose parameters live on the `meta` device traces on a laptop. When the traced o
 mutate anything, the recorded graph is traced once more through `torch.func.functionalize`, which
 removes in-place ops; a mutation of an input survives as a final `aten.copy_` into that input.
 
+A trace steps out of whatever trace or dispatch mode is active when it starts, so traces nest: a
+function traced inside another traced function (a transform's body, `df.trace` in model code) gets a
+Program of its own, which the outer trace then records as it runs.
+
 Model code that branches on tensor values cannot be traced; the error points at the user's line.
 """
 
@@ -30,6 +34,7 @@ from ..compat import (
     fx_tracing_flag_cleared,
     get_proxy_mode,
     make_fx,
+    outside_current_trace,
     quiet_meta_failures,
 )
 from ..errors import (DynaflowError, InputError, MetaKernelRejection, TraceError, is_installed_package_file,
@@ -100,7 +105,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
 
     captured: dict[str, Any] = {}
     flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, captured)
-    with _TRACING, torch.no_grad(), quiet_meta_failures(), _translate_errors(getattr(fn, "__name__", "fn")):
+    with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
+            _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         recorder = captured["recorder"]
         scopes = recorder.finish()
