@@ -31,7 +31,7 @@ from .. import compat
 from ..errors import InPlaceInputMoved, InputError
 from ..ir.program import Program
 from ..plan.plan import Plan
-from . import autotune, pipeline
+from . import autotune, methods, pipeline
 from .cold_start import ColdStart
 from .donation import match_donations
 from .entry import Entry
@@ -116,6 +116,11 @@ class Jitted:
             self.hits += 1
         self._last = entry if key is not None else None
         return entry.call(treedef, leaves, state)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """As a method (`@df.jit` in a class body): the jitted function bound to `instance`, one per
+        instance, kept while it lives (see `methods`)."""
+        return self if instance is None else methods.bound(self, instance)
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms) that a call with these arguments runs."""

@@ -77,7 +77,7 @@ for _name in _GLOBAL_HOOKS:
 def _fingerprint(objects: Sequence[Any], keep: list) -> tuple:
     """The Python state of `objects`: per object its class and each attribute (`training` aside), a
     scalar by value, a dict by its items (a hook dict by its handle ids, which are never reused), any
-    other value by identity. `keep` receives what the identities refer to, so that no id is reused
+    other value by identity (`methods`' bindings aside). `keep` receives what the identities refer to, so that no id is reused
     while the fingerprint lives. About 5 us a module: it runs only after a change."""
     parts: list[Any] = []
     for obj in objects:
@@ -95,7 +95,7 @@ def _fingerprint(objects: Sequence[Any], keep: list) -> tuple:
                 else:
                     keep.append(value.copy())
                     parts.append((name, tuple(value), tuple(map(id, value.values()))))
-            else:
+            elif not name.startswith("__dynaflow_"):         # a jitted method's binding is no state
                 keep.append(value)
                 parts.append((name, id(value)))
     return tuple(parts)
