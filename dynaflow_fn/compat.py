@@ -27,7 +27,7 @@ __all__ = [
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
-    "quiet_meta_failures", "outside_current_trace", "observe_module_changes", "ops_are_transformed",
+    "quiet_meta_failures", "outside_current_trace", "observe_module_changes", "ops_are_transformed", "in_backward",
 ]
 
 # --- fake tensors and make_fx ---------------------------------------------------------------------
@@ -317,6 +317,15 @@ def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
     alias = tensor.detach()
     alias.requires_grad_(True)
     return alias
+
+
+def in_backward() -> bool:
+    """Whether this thread runs the autograd engine's backward now (its ops run with grad mode at
+    `create_graph`): torch's current graph task. Fallback: False, so ops that `torch.autograd.grad`
+    records while tracing count as run by the function itself (their outputs are then taken to
+    require grad when their inputs do: backward through them still raises df.jit's error)."""
+    query = getattr(torch._C, "_current_graph_task_id", None)
+    return query is not None and query() != -1
 
 
 # --- CUDA graphs -----------------------------------------------------------------------------------------

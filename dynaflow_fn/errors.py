@@ -43,6 +43,11 @@ class VerificationError(DynaflowError):
     """A Plan failed the static happens-before check: some read or buffer reuse is not ordered."""
 
 
+class GradientError(DynaflowError, RuntimeError):
+    """A call that eager autograd refuses, or whose effect on the autograd graph a compiled plan cannot
+    reproduce: an in-place update, inside the function, of a tensor that requires grad."""
+
+
 class InternalError(DynaflowError, AssertionError):
     """An invariant of dynaflow_fn itself broke: a bug in dynaflow_fn, not in the caller's code.
     The message names the invariant; please report it with the code that raised it."""

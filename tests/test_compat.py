@@ -265,3 +265,25 @@ def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monke
     make_fx(probe)(torch.randn(2))
     torch.func.vmap(probe)(torch.randn(3, 2))
     assert seen == [True, False]                  # a trace is still seen; a transform no longer is
+
+
+def test_in_backward_is_true_only_while_the_engine_runs_backward(monkeypatch):
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(compat.in_backward())
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.in_backward())
+            return grad
+
+    Probe.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen == [False, True] and not compat.in_backward()
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    seen.clear()
+    Probe.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen == [False, False]

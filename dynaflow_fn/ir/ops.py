@@ -130,6 +130,16 @@ def is_view(op: Any) -> bool:
     return all(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
 
+def written_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The values a call passes for the arguments the op writes (`self` of `add_`, `out` of an out=
+    overload, the running statistics of batch norm): from the schema's alias annotations."""
+    if not is_mutating(op):
+        return []
+    bound = bind_arguments(op, args, kwargs)
+    return [bound[a.name] for a in op._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and a.name in bound]
+
+
 def is_random(op: Any) -> bool:
     """Whether an op draws random numbers (its result must not be computed once and reused)."""
     return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags

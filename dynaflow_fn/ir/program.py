@@ -143,8 +143,10 @@ class Program:
     `training` flag of every module whose flag the trace read, which the traced ops depend on
     (dropout, batch norm; see `mode_reads`). `objects_read` are the modules the trace called or found
     in the function's closure and the instance of a bound method, whose Python attributes (hooks,
-    submodules, parameters, plain attributes) the traced ops depend on too. Calling a Program runs its
-    graph eagerly, which is handy as a reference. Printing it shows code.
+    submodules, parameters, plain attributes) the traced ops depend on too. `gradient_flow` says which
+    outputs eager autograd would connect to which inputs, and which inputs the function updates in
+    place while gradients are recorded (`tracing/gradients.py`). Calling a Program runs its graph
+    eagerly, which is handy as a reference. Printing it shows code.
     """
 
     graph_module: fx.GraphModule
@@ -161,6 +163,7 @@ class Program:
     captured: tuple[Captured, ...] = field(default=(), compare=False)
     module_modes: tuple[tuple[torch.nn.Module, bool], ...] = field(default=(), compare=False)
     objects_read: tuple[Any, ...] = field(default=(), compare=False)
+    gradient_flow: Any = field(default=None, compare=False)
 
     @property
     def graph(self) -> fx.Graph:

@@ -22,7 +22,8 @@ from ..plan.plan import Plan
 from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from .cold_start import ColdStart
-from .guard import Guard, check_no_aliasing, picker
+from ..tracing.gradients import GradientFlow
+from .guard import Guard, check_no_aliasing, check_updates_allowed, picker
 from .inputs import TensorInputs
 from .object_watch import ObjectWatch
 from .state import is_state
@@ -38,7 +39,8 @@ class Entry:
 
     def __init__(self, plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]], inputs: TensorInputs,
                  backend: str, static_outputs: bool, on_capture: Callable[[], None], fn_name: str,
-                 cold_start: ColdStart | None = None, watch: ObjectWatch | None = None):
+                 cold_start: ColdStart | None = None, watch: ObjectWatch | None = None,
+                 gradient_flow: GradientFlow | None = None):
         self.plan = plan
         self.module_modes = tuple(module_modes)
         self.watch = watch or ObjectWatch(())         # the hooks, submodules and attributes it was traced under
@@ -51,7 +53,10 @@ class Entry:
         self.names = list(inputs.names) + [c.name for c in plan.captured]
         self.written = plan.written_inputs()
         returned_inputs = set(plan.input_slots)
-        self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
+        depends = gradient_flow.outputs if gradient_flow is not None else [range(len(self.names))] * len(plan.output_slots)
+        self.differentiable = [(i, tuple(depends[i])) for i, slot in enumerate(plan.output_slots)
+                               if slot not in returned_inputs and depends[i]]   # output, the inputs it comes from
+        self.updated_under_grad = gradient_flow.updated if gradient_flow is not None else ()
         self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
         self.fn_name = fn_name
         self.no_backward = (f"backward through the outputs of df.jit({fn_name}): a compiled plan records no "
@@ -130,6 +135,8 @@ class Entry:
         `read_in_place` overrides `reads_in_place(tensors)` for stand-ins of the caller's tensors."""
         if self.written:
             check_no_aliasing(tensors, self.written, self.names)
+        if self.updated_under_grad and torch.is_grad_enabled():
+            check_updates_allowed(tensors, self.updated_under_grad, self.names, self.fn_name)
         executable = self.executable or self._build(tensors, None, read_in_place)
         try:
             outputs = executable(tensors)
@@ -138,7 +145,7 @@ class Entry:
                 raise
             outputs = self._build(tensors, executable, read_in_place)(tensors)
         if torch.is_grad_enabled() and self.differentiable and any(map(_REQUIRES_GRAD, tensors)):
-            outputs = self._without_backward(outputs)
+            outputs = self._without_backward(outputs, tensors)
         return outputs[0] if self.only_output else self.plan.unflatten_outputs(outputs)
 
     # --- building ---------------------------------------------------------------------------------
@@ -180,10 +187,12 @@ class Entry:
                      captured_compared=[t for k, t in enumerate(self.captured) if arguments + k not in versioned],
                      watch=self.watch)
 
-    def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
-        backward raises an error that says why df.jit has none and what to do instead."""
-        chosen = [i for i in self.differentiable if outputs[i].is_floating_point() or outputs[i].is_complex()]
+    def _without_backward(self, outputs: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Outputs that, like eager ones, require grad: those that depend, through ops eager autograd
+        records, on an input that requires grad (`gradients.GradientFlow`); their backward raises an
+        error that says why df.jit has none and what to do instead."""
+        chosen = [i for i, inputs in self.differentiable if any(tensors[k].requires_grad for k in inputs)
+                  and (outputs[i].is_floating_point() or outputs[i].is_complex())]
         if not chosen:
             return outputs
         outputs = list(outputs)

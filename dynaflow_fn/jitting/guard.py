@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import compat
-from ..errors import InputError
+from ..errors import GradientError, InputError
 
 _VERSION = operator.attrgetter("_version")
 _TRAINING = operator.attrgetter("training")
@@ -162,3 +162,25 @@ def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], n
                     f"(an in-place update or a donated argument). A traced program sees them as separate "
                     f"tensors, so it would not compute what eager PyTorch computes. Pass a copy "
                     f"({names[other]}.clone()) or pass the tensor once.")
+
+
+def check_updates_allowed(tensors: Sequence[torch.Tensor], updated: Sequence[int], names: Sequence[str],
+                          fn_name: str) -> None:
+    """Refuse a call, with grad mode on, that would update in place a tensor requiring grad: the function
+    does so outside its own `torch.no_grad()` (`gradients.GradientFlow.updated`). Eager PyTorch refuses a
+    leaf (a parameter) or a view of one; for any other such tensor it records the update in the autograd
+    graph, which a compiled plan cannot."""
+    for index in updated:
+        tensor = tensors[index]
+        if not tensor.requires_grad:
+            continue
+        name = names[index]
+        what = (f"{name} is a leaf tensor that requires grad, and for the same call eager PyTorch raises \"a leaf "
+                f"Variable that requires grad is being used in an in-place operation\"" if tensor.is_leaf else
+                f"{name} requires grad and is no leaf: a view of one, which eager PyTorch refuses too (\"a view of a "
+                f"leaf Variable that requires grad is being used in an in-place operation\"), or the result of an "
+                f"op, whose in-place update eager PyTorch records in the autograd graph and a compiled plan cannot")
+        raise GradientError(
+            f"df.jit({fn_name}) updates {name} in place while gradients are recorded: {what}. Update it under "
+            f"torch.no_grad() (inside the function, or around the call), or pass {name}.detach() if the update "
+            f"need not reach the autograd graph.")

@@ -185,7 +185,8 @@ class Jitted:
         with cold_start.phase("lower"):
             plan = pipeline.lowered(program, match_donations(program, inputs))
         return Entry(plan, program.module_modes, inputs, self.resolve_backend(plan.device), self.static_outputs,
-                     self._count_capture, self.name, cold_start, ObjectWatch(program.objects_read))
+                     self._count_capture, self.name, cold_start, ObjectWatch(program.objects_read),
+                     program.gradient_flow)
 
     def _count_capture(self) -> None:
         self.captures += 1

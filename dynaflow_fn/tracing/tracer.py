@@ -42,9 +42,10 @@ from ..errors import (DynaflowError, InputError, MetaKernelRejection, TraceError
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
 from ..ir.formatting import op_name
-from ..ir.program import InputSpec, NodeInfo, OutputSpec, Program
+from ..ir.program import Captured, InputSpec, NodeInfo, OutputSpec, Program
 from ..ir.tree import TensorSpec
 from .closure import closed_over_objects, lift_captured
+from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 
@@ -108,13 +109,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
             _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-        recorder = captured["recorder"]
-        scopes = recorder.finish()
-        closed_over = lift_captured(traced, fn)
-        if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
-            fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
-            traced, scopes = _functionalize(traced, scopes, [specs[i].fake(fresh) for i in kinds.tensor_positions] +
-                                            [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
+        traced, scopes, closed_over, flow = _functional(traced, fn, captured, [specs[i] for i in kinds.tensor_positions])
+    recorder = captured["recorder"]
 
     out_paths, out_leaves, out_tree = captured["out"]
     outputs = _output_specs(out_paths, out_leaves)
@@ -137,7 +133,22 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         captured=closed_over,
         module_modes=_module_modes(captured["mode_reads"], recorder.called_modules()),
         objects_read=tuple({id(o): o for o in (*recorder.called_modules(), *closed_over_objects(fn))}.values()),
+        gradient_flow=flow,
     )
+
+
+def _functional(traced: fx.GraphModule, fn: Callable[..., Any], captured: dict[str, Any],
+                specs: Sequence[TensorSpec]) -> tuple[fx.GraphModule, dict, tuple[Captured, ...], GradientFlow]:
+    """The traced graph with closed-over tensors lifted to inputs and, if it mutates anything, made
+    functional; its nodes' scopes, the tensors lifted, and its gradient flow."""
+    scopes = captured["recorder"].finish()
+    closed_over = lift_captured(traced, fn)
+    flow = gradient_flow(traced.graph, captured["grad_recorded"])
+    if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
+        fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
+        traced, scopes = _functionalize(traced, scopes, [spec.fake(fresh) for spec in specs] +
+                                        [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
+    return traced, scopes, closed_over, flow
 
 
 def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.PyTreeSpec,
@@ -153,7 +164,8 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(get_proxy_mode().tracer.graph)
         captured["recorder"] = recorder
-        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
+        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared(), \
+                recording_grad_modes(recorder.graph) as captured["grad_recorded"]:
             result = body(*call_args, **call_kwargs)
         captured["mode_reads"] = dict(mode_reads)
         out_paths, out_leaves, out_tree = tree.flatten(result)
