@@ -93,24 +93,24 @@ def outside_current_trace() -> Iterator[None]:
         yield
 
 
-def _dispatch_mode_active() -> bool:
-    query = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    return query() > 0 if query is not None else get_proxy_mode() is not None
-
-
-def _functorch_transform_active() -> bool:
+def _resolve_ops_are_transformed() -> Callable[[], bool]:
+    modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
     peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
+    mode_active = (lambda: modes() > 0) if modes is not None else (lambda: get_proxy_mode() is not None)
+    transform_active = (lambda: peek() is not None) if peek is not None else (lambda: False)
+
+    def ops_are_transformed() -> bool:
+        """Whether the ops called now are recorded or transformed rather than only computed: a dispatch
+        mode is active (make_fx's proxy and fake-tensor modes while anything traces, any other
+        TorchDispatchMode) or a torch.func transform runs (vmap, grad, jacrev, ...). Two C calls of
+        torch's. Fallbacks: without the mode-stack length, only a make_fx trace is seen; without
+        functorch's interpreter stack, no transform is (a transform over a jitted function then fails
+        inside torch)."""
+        return mode_active() or transform_active()
+    return ops_are_transformed
 
 
-def ops_are_transformed() -> bool:
-    """Whether the ops called now are recorded or transformed rather than only computed: a dispatch
-    mode is active (make_fx's proxy and fake-tensor modes while anything traces, any other
-    TorchDispatchMode) or a torch.func transform runs (vmap, grad, jacrev, ...). Two C calls of
-    torch's, ~100 ns. Fallbacks: without the mode-stack length, only a make_fx trace is seen; without
-    functorch's interpreter stack, no transform is (a transform over a jitted function then fails
-    inside torch)."""
-    return _dispatch_mode_active() or _functorch_transform_active()
+ops_are_transformed = _resolve_ops_are_transformed()
 
 
 @contextlib.contextmanager

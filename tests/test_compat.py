@@ -261,6 +261,7 @@ def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monke
     assert seen == [False, True, True, True, True]
     monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
     monkeypatch.delattr(torch._C._functorch, "peek_interpreter_stack")
+    monkeypatch.setattr(compat, "ops_are_transformed", compat._resolve_ops_are_transformed())
     seen.clear()
     make_fx(probe)(torch.randn(2))
     torch.func.vmap(probe)(torch.randn(3, 2))

@@ -155,8 +155,11 @@ class ObjectWatch:
         return True
 
     def _same_instances(self) -> bool:
-        return all(len(values) == len(vars(o)) and all(map(operator.is_, vars(o).values(), values))
-                   for o, values in zip(self.instances, self._identities))
+        for instance, values in zip(self.instances, self._identities):
+            attributes = vars(instance)
+            if len(attributes) != len(values) or not all(map(operator.is_, attributes.values(), values)):
+                return False
+        return True
 
     def _instances_unchanged(self) -> bool:
         if _fingerprint(self.instances, []) != self._instances:
