@@ -21,8 +21,8 @@ from ..ir.tree import TensorSpec
 from ..plan.plan import Plan
 from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
-from .cold_start import ColdStart
 from ..tracing.gradients import GradientFlow
+from .cold_start import ColdStart
 from .guard import Guard, check_no_aliasing, check_updates_allowed, picker
 from .inputs import TensorInputs
 from .object_watch import ObjectWatch
@@ -53,8 +53,9 @@ class Entry:
         self.names = list(inputs.names) + [c.name for c in plan.captured]
         self.written = plan.written_inputs()
         returned_inputs = set(plan.input_slots)
-        depends = gradient_flow.outputs if gradient_flow is not None else [range(len(self.names))] * len(plan.output_slots)
-        self.differentiable = [(i, tuple(depends[i])) for i, slot in enumerate(plan.output_slots)
+        known = gradient_flow is not None and len(gradient_flow.outputs) == len(plan.output_slots)
+        depends = gradient_flow.outputs if known else [tuple(range(len(self.names)))] * len(plan.output_slots)
+        self.differentiable = [(i, depends[i]) for i, slot in enumerate(plan.output_slots)
                                if slot not in returned_inputs and depends[i]]   # output, the inputs it comes from
         self.updated_under_grad = gradient_flow.updated if gradient_flow is not None else ()
         self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
