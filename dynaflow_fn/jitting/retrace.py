@@ -35,7 +35,8 @@ def _describe_change(old: Any, new: Any, args: tuple, kwargs: dict, fn: Callable
     for path, a, b in zip(paths, old_leaves, new_leaves):
         if a != b:
             return f"{tree.path_to_str(path, arg_names)} changed from {_leaf_text(a)} to {_leaf_text(b)}"
-    return "no visible change"
+    return ("the same signature: the Python state of a module it reads changed (a hook, submodule, parameter "
+            "or attribute), or a train/eval mode")
 
 
 def _leaf_text(leaf_key: tuple) -> str:
