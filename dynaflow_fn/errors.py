@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import site
+import sysconfig
 import warnings
 
 import optree
@@ -41,6 +43,11 @@ class VerificationError(DynaflowError):
     """A Plan failed the static happens-before check: some read or buffer reuse is not ordered."""
 
 
+class GradientError(DynaflowError, RuntimeError):
+    """A call that eager autograd refuses, or whose effect on the autograd graph a compiled plan cannot
+    reproduce: an in-place update, inside the function, of a tensor that requires grad."""
+
+
 class InternalError(DynaflowError, AssertionError):
     """An invariant of dynaflow_fn itself broke: a bug in dynaflow_fn, not in the caller's code.
     The message names the invariant; please report it with the code that raised it."""
@@ -65,6 +72,9 @@ catches these and no more, so a bug elsewhere still surfaces."""
 
 _LIBRARY_DIRS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torch.__file__, optree.__file__))
 _GENERATED_CODE = "<eval_with_key>"    # the source name of code that torch.fx generates
+_INSTALLED_DIRS = tuple({os.path.join(path, "") for path in (*site.getsitepackages(), site.getusersitepackages(),
+                                                            sysconfig.get_path("purelib"), sysconfig.get_path("platlib"))})
+_STANDARD_LIBRARY_DIRS = tuple({os.path.join(sysconfig.get_path(name), "") for name in ("stdlib", "platstdlib")})
 
 
 class ResidentInputMoved(Exception):
@@ -95,9 +105,18 @@ def strict() -> bool:
 
 
 def is_library_file(filename: str) -> bool:
-    """Whether code in `filename` belongs to dynaflow_fn or a library it runs the user's code through
-    (torch, optree, torch.fx's generated code), rather than to the user."""
-    return filename.startswith(_LIBRARY_DIRS) or filename.startswith(_GENERATED_CODE)
+    """Whether code in `filename` belongs to dynaflow_fn, a library it runs the user's code through
+    (torch, optree, torch.fx's generated code) or Python's standard library (`contextlib`, `functools`),
+    rather than to the user. Other installed packages (transformers) are model code: see
+    `is_installed_package_file`."""
+    return (filename.startswith(_LIBRARY_DIRS) or filename.startswith(_GENERATED_CODE)
+            or (filename.startswith(_STANDARD_LIBRARY_DIRS) and not is_installed_package_file(filename)))
+
+
+def is_installed_package_file(filename: str) -> bool:
+    """Whether `filename` lies in an installed package (site-packages): code the user runs but did not
+    write here, so a line of their own is the better one to name."""
+    return filename.startswith(_INSTALLED_DIRS)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

@@ -11,6 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynaflow_fn import compat
 from dynaflow_fn.compat import tracing as compat_tracing
+from dynaflow_fn.compat import modules as compat_modules
 from dynaflow_fn.errors import BackwardError, InputError, MetaKernelRejection
 
 
@@ -444,3 +445,75 @@ def test_first_unbacked_node_finds_the_op_whose_size_depends_on_data(monkeypatch
     assert found[0].target == "nonzero" and found[1] is None
     monkeypatch.setitem(sys.modules, "torch.fx.experimental.symbolic_shapes", None)
     assert compat.first_unbacked_node(torch.fx.symbolic_trace(lambda x: x.nonzero())) is None
+
+
+def test_module_changes_are_reported_by_torchs_own_mutators(monkeypatch):
+    from torch.utils.hooks import RemovableHandle
+
+    reports = []
+    record = lambda owner, attribute: reports.append((owner, attribute))      # noqa: E731
+    monkeypatch.setattr(compat_modules, "_module_observer", [record])
+    model = torch.nn.Linear(2, 2)
+    changes = [
+        (lambda: setattr(model, "scale", 2.0), (model, "scale")),
+        (lambda: delattr(model, "scale"), (model, "scale")),
+        (lambda: model.add_module("child", torch.nn.ReLU()), (model, None)),
+        (lambda: model.register_buffer("stat", torch.zeros(2)), (model, None)),
+        (lambda: model.register_parameter("extra", None), (model, None)),
+        (lambda: model.to(torch.float64), (model, None)),
+        (lambda: model.register_forward_pre_hook(lambda *a: None), (model, None)),
+        (lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None).remove(), (None, None)),
+    ]
+    for change, expected in changes:
+        reports.clear()
+        change()
+        assert expected in reports
+    reports.clear()
+    model.register_forward_hook(lambda *a: None).remove()
+    assert any(owner is model._forward_hooks for owner, _ in reports)
+    monkeypatch.delattr(RemovableHandle, "remove")
+    assert not compat.observe_module_changes(lambda owner, attribute: None)    # observes nothing new
+    assert compat_modules._module_observer == [record]
+
+
+def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seen = []
+    probe = lambda x: seen.append(compat.ops_are_transformed()) or x * 2       # noqa: E731
+    probe(torch.randn(2))
+    make_fx(probe)(torch.randn(2))
+    torch.func.vmap(probe)(torch.randn(3, 2))
+    torch.func.grad(lambda x: probe(x).sum())(torch.randn(2))
+    with FlopCounterMode(display=False):
+        probe(torch.randn(2))
+    assert seen == [False, True, True, True, True]
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
+    monkeypatch.delattr(torch._C._functorch, "peek_interpreter_stack")
+    monkeypatch.setattr(compat, "ops_are_transformed", compat_tracing._resolve_ops_are_transformed())
+    seen.clear()
+    make_fx(probe)(torch.randn(2))
+    torch.func.vmap(probe)(torch.randn(3, 2))
+    assert seen == [True, False]                  # a trace is still seen; a transform no longer is
+
+
+def test_in_backward_is_true_only_while_the_engine_runs_backward(monkeypatch):
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(compat.in_backward())
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.in_backward())
+            return grad
+
+    Probe.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen == [False, True] and not compat.in_backward()
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    seen.clear()
+    Probe.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen == [False, False]

@@ -5,6 +5,7 @@ wrong mode or another thread's input would be off by far more. Skipped where the
 
 import threading
 
+import optree
 import pytest
 import torch
 from torch import nn
@@ -167,3 +168,43 @@ def test_tensors_marked_static_for_torch_compile_are_read_in_place():
     assert _first_call_allocates_mib(lambda: fast(cache, x)) < 16
     cache[:8].mul_(2)
     torch.testing.assert_close(fast(cache, x), read(cache, x))
+
+
+def test_hooks_and_submodules_changed_after_capture_are_seen():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).cuda()
+    fast = df.jit(lambda x: model(x), backend="cudagraph")
+    with torch.no_grad():
+        fast(torch.randn(8, 64, device="cuda"))
+        handle = model[0].register_forward_hook(lambda mod, args, out: out * 3)
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(fast(x), model(x))
+        handle.remove()
+        torch.testing.assert_close(fast(x), model(x))
+        model[2] = nn.Linear(64, 64).cuda()
+        torch.testing.assert_close(fast(x), model(x))
+    assert fast.cache_info().misses == 3
+
+
+def test_jitted_gradients_on_the_device_require_no_grad():
+    model = nn.Linear(64, 64).cuda()                            # closed over: its weights require grad
+    params = {"w": torch.randn(64, 64, device="cuda", requires_grad=True)}
+
+    def loss(p, x):
+        return model(x @ p["w"]).square().mean()
+
+    x = torch.randn(8, 64, device="cuda")
+    for transform in (df.grad, df.value_and_grad):
+        jitted, eager = df.jit(transform(loss))(params, x), transform(loss)(params, x)
+        flat_jitted, flat_eager = optree.tree_leaves(jitted), optree.tree_leaves(eager)
+        assert [t.requires_grad for t in flat_jitted] == [t.requires_grad for t in flat_eager] == [False] * len(flat_eager)
+        for j, e in zip(flat_jitted, flat_eager):
+            torch.testing.assert_close(j, e)
+
+
+def test_torch_func_transforms_over_a_graph_backed_function():
+    fast = df.jit(lambda x: torch.tanh(x) * x.sin(), backend="cudagraph")
+    x = torch.randn(5, 3, device="cuda")
+    fast(x)
+    torch.testing.assert_close(torch.func.vmap(fast)(x), torch.tanh(x) * x.sin())
+    expected = torch.func.grad(lambda v: (torch.tanh(v) * v.sin()).sum())(x)
+    torch.testing.assert_close(torch.func.grad(lambda v: fast(v).sum())(x), expected)

@@ -6,6 +6,7 @@ PyTorch on fresh random inputs."""
 import dataclasses
 import threading
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from dynaflow_fn.errors import GradientError
 from models import DropoutNet
 
 
@@ -111,6 +113,115 @@ def test_modes_read_while_tracing_are_read_as_before_on_other_threads():
     fast(torch.randn(4, 32))
     reader.join()
     assert seen == [False] * 20000 and "training" not in nn.Module.__dict__
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus a low-rank update, as PEFT adapters replace one."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.down, self.up = nn.Linear(8, rank, bias=False), nn.Linear(rank, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+_HOOKS = {
+    "forward hook": lambda m: m.fc1.register_forward_hook(lambda mod, args, out: out * 3),
+    "forward hook with kwargs": lambda m: m.fc1.register_forward_hook(lambda mod, a, kw, out: out - 1, with_kwargs=True),
+    "forward pre-hook": lambda m: m.fc1.register_forward_pre_hook(lambda mod, args: (args[0] * 2,)),
+    "global forward hook": lambda m: torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out + 1 if isinstance(mod, nn.Linear) else None),
+    "global forward pre-hook": lambda m: torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, args: (args[0].flip(-1),) if isinstance(mod, nn.Linear) else None),
+}
+
+
+@pytest.mark.parametrize("kind", list(_HOOKS))
+def test_a_hook_registered_or_removed_after_the_first_call_is_seen(kind):
+    model = TwoLayers()
+    fast = df.jit(lambda x: model(x))
+    with torch.no_grad():
+        fast(torch.randn(4, 8))
+        handle = _HOOKS[kind](model)
+        try:
+            for _ in range(2):
+                x = torch.randn(4, 8)
+                torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+        finally:
+            handle.remove()
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 2                        # without the hook, the first plan again
+
+
+def test_a_submodule_replaced_after_the_first_call_is_seen():
+    model = TwoLayers()
+    fn, params = df.pure(model)
+    closure, pure = df.jit(lambda x: model(x)), df.jit(lambda x: fn(params, x))
+    with torch.no_grad():
+        closure(torch.randn(4, 8)), pure(torch.randn(4, 8))
+        model.fc1 = LoRALinear(model.fc1)
+        nn.init.normal_(model.fc1.up.weight)
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(closure(x), model(x), rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="Missing key"):
+            fn(params, x)                                       # the old params no longer fit the model
+        with pytest.raises(df.TraceError, match="Missing key"):
+            pure(x)
+
+
+def test_a_parameter_or_attribute_replaced_after_the_first_call_is_seen():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.scale = nn.Linear(8, 8), 2.0
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    model = Scaled()
+    fast = df.jit(lambda x: model(x))
+    changes = [lambda: setattr(model, "scale", 0.5),
+               lambda: setattr(model.fc, "weight", nn.Parameter(torch.randn(8, 8))),
+               lambda: model.fc.register_buffer("bias", torch.randn(8)) if delattr(model.fc, "bias") is None else None,
+               lambda: torch.nn.utils.parametrize.register_parametrization(model.fc, "weight", Doubled())]
+    with torch.no_grad():
+        for change in changes:
+            fast(torch.randn(4, 8))
+            change()
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 1 + len(changes)
+
+
+class Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def test_changes_to_modules_a_plan_does_not_read_trace_nothing_again():
+    model, other = TwoLayers(), TwoLayers()
+    fast = df.jit(lambda x: model(x))
+    with torch.no_grad():
+        fast(torch.randn(4, 8))
+        other.fc1 = nn.Linear(8, 8)
+        other.register_forward_hook(lambda mod, args, out: out * 2).remove()
+        nn.CrossEntropyLoss()
+        model.eval()
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    assert fast.cache_info().misses == 1
 
 
 def test_default_dtype_and_autocast_are_part_of_the_key():
@@ -320,6 +431,103 @@ def test_outputs_from_inputs_that_require_grad_refuse_backward_with_a_named_erro
         assert not fast(params, x).requires_grad
     plain = df.jit(lambda a: a * 2)(torch.randn(3))
     assert not plain.requires_grad
+
+
+def _same_requires_grad(jitted, eager):
+    jitted, eager = optree.tree_leaves(jitted), optree.tree_leaves(eager)
+    assert [t.requires_grad for t in jitted] == [t.requires_grad for t in eager]
+    for j, e in zip(jitted, eager):
+        torch.testing.assert_close(j.detach(), e.detach())
+
+
+def _loss(params, batch):
+    return ((batch @ params["w"]).tanh() + params["b"]).square().mean()
+
+
+def test_a_jitted_gradient_returns_what_eager_returns_not_tensors_requiring_grad():
+    params = {"w": torch.randn(4, 4, requires_grad=True), "b": nn.Parameter(torch.randn(4))}
+    batch = torch.randn(3, 4)
+    for transform in (df.grad, df.value_and_grad):
+        jitted = df.jit(transform(_loss))(params, batch)
+        _same_requires_grad(jitted, transform(_loss)(params, batch))
+        assert all(t.grad_fn is None for t in optree.tree_leaves(jitted))
+        [t.numpy() for t in optree.tree_leaves(jitted)]
+
+
+def test_gradients_with_respect_to_some_inputs_ignore_the_others_requiring_grad():
+    model = nn.Linear(4, 4)                                     # closed over: its weights require grad
+    f = df.grad(lambda x: model(x).square().sum())
+    x = torch.randn(2, 4)
+    _same_requires_grad(df.jit(f)(x), f(x))
+
+
+def _mixed(a, b, w):
+    with torch.no_grad():
+        statistics = (a * w).mean()
+    return a * w, b * 2, w.detach() * 3, torch.zeros_like(w), (w > 0), torch.histc(w, bins=4), statistics, a.sum()
+
+
+def test_only_outputs_eager_autograd_connects_to_an_input_requiring_grad_require_grad():
+    w = torch.randn(4, requires_grad=True)
+    fast = df.jit(_mixed)
+    for a, b in [(torch.randn(4), torch.randn(4)), (torch.randn(4, requires_grad=True), torch.randn(4))]:
+        _same_requires_grad(fast(a, b, w), _mixed(a, b, w))
+
+
+def _increments(x, nested):
+    x.add_(1)
+    nested["p"].mul_(2)
+    return x.sum()
+
+
+@pytest.mark.parametrize("which, eager_error", [
+    ("leaf", "a leaf Variable that requires grad"),
+    ("parameter in a dict", "a leaf Variable that requires grad"),
+    ("view of a leaf", "a view of a leaf Variable that requires grad"),
+    ("non-leaf", None),
+])
+def test_an_in_place_update_of_a_tensor_requiring_grad_is_refused_by_name(which, eager_error):
+    leaf, p = torch.randn(6, requires_grad=True), nn.Parameter(torch.randn(3))
+    x, nested = {"leaf": (leaf, {"p": torch.zeros(3)}), "parameter in a dict": (torch.zeros(6), {"p": p}),
+                 "view of a leaf": (leaf[2:], {"p": torch.zeros(3)}), "non-leaf": (leaf * 2, {"p": torch.zeros(3)})}[which]
+    if eager_error:
+        with pytest.raises(RuntimeError, match=eager_error):
+            _increments(x, nested)
+    before = (x.detach().clone(), nested["p"].detach().clone())
+    with pytest.raises(GradientError, match=r"updates (x|nested\['p'\]) in place while gradients are recorded.*"
+                                            r"torch\.no_grad\(\)"):
+        df.jit(_increments)(x, nested)
+    assert torch.equal(x.detach(), before[0]) and torch.equal(nested["p"].detach(), before[1])   # nothing ran
+    with torch.no_grad():
+        df.jit(_increments)(x, nested)
+    torch.testing.assert_close(x.detach(), before[0] + 1)
+
+
+def test_a_closed_over_parameter_updated_in_place_is_refused_by_name():
+    weight = nn.Parameter(torch.randn(4))
+
+    def update(x):
+        weight.add_(x)
+        return weight * 2
+
+    with pytest.raises(GradientError, match=r"updates weight in place.*a leaf tensor that requires grad"):
+        df.jit(update)(torch.randn(4))
+
+
+def _sgd(params, grads):
+    with torch.no_grad():
+        for name in params:
+            params[name].sub_(0.1 * grads[name])
+    return params["w"].sum()
+
+
+def test_updates_the_function_makes_under_its_own_no_grad_run_as_in_eager():
+    params, grads = {"w": nn.Parameter(torch.randn(4))}, {"w": torch.randn(4)}
+    expected = {"w": nn.Parameter(params["w"].detach().clone())}
+    fast = df.jit(_sgd)
+    for _ in range(2):
+        _same_requires_grad(fast(params, grads), _sgd(expected, grads))
+        torch.testing.assert_close(params["w"].detach(), expected["w"].detach(), rtol=0, atol=0)
 
 
 # --- static leaves and options ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ and storage facts in `compat.operators`; every entry is imported from `dynaflow_
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -19,6 +20,7 @@ import torch
 from torch import fx
 
 from ..errors import BackwardError, InputError
+from .modules import observe_module_changes
 from .operators import OpOverload, StorageWeakRef, has_internal_overlap, has_kernel_for, op_schema
 from .tracing import (
     DataDependentOutputException,
@@ -28,7 +30,9 @@ from .tracing import (
     UnsupportedOperatorException,
     current_trace_graph,
     fx_tracing_flag_cleared,
+    in_backward,
     make_fx,
+    ops_are_transformed,
     outside_current_trace,
     quiet_meta_failures,
 )
@@ -42,6 +46,7 @@ __all__ = [
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "outside_current_trace", "LeafCheck", "leaf_checker",
+    "observe_module_changes", "ops_are_transformed", "in_backward",
 ]
 
 
@@ -186,6 +191,15 @@ def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
     alias = tensor.detach()
     alias.requires_grad_(True)
     return alias
+
+
+def in_backward() -> bool:
+    """Whether this thread runs the autograd engine's backward now (its ops run with grad mode at
+    `create_graph`): torch's current graph task. Fallback: False, so ops that `torch.autograd.grad`
+    records while tracing count as run by the function itself (their outputs are then taken to
+    require grad when their inputs do: backward through them still raises df.jit's error)."""
+    query = getattr(torch._C, "_current_graph_task_id", None)
+    return query is not None and query() != -1
 
 
 # --- CUDA graphs -----------------------------------------------------------------------------------------

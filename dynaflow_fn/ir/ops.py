@@ -226,6 +226,16 @@ def is_view(target: object) -> bool:
     return info is not None and info.is_view
 
 
+def written_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The values a call passes for the arguments the op writes (`self` of `add_`, `out` of an out=
+    overload, the running statistics of batch norm): from the schema's alias annotations."""
+    info = op_info(op)
+    if info is None or not is_mutating(op):
+        return []
+    bound = bind_arguments(op, args, kwargs)
+    return [bound[a.name] for a in info.arguments if a.written and a.name in bound]
+
+
 def is_random(target: object) -> bool:
     """Whether an op draws random numbers (its result must not be computed once and reused)."""
     info = op_info(target)

@@ -66,7 +66,12 @@ class Program(HasSignature):
     The graph's placeholders are the tensor leaves of the arguments, in flatten order, then the
     `closed_over` tensors the function closes over (see `dynaflow_fn.tracing.closure`). `module_modes`
     records the `training` flag of every module whose flag the trace read, which the traced ops depend
-    on (dropout, batch norm; see `dynaflow_fn.tracing.mode_reads`). Calling a Program runs its graph
+    on (dropout, batch norm; see `dynaflow_fn.tracing.mode_reads`). `objects_read` are the modules the
+    trace called or found in the function's closure and the instance of a bound method, whose Python
+    attributes (hooks, submodules, parameters, plain attributes) the traced ops depend on too.
+    `gradient_flow` says which outputs eager autograd would connect to which inputs, and which inputs
+    the function updates in place while gradients are recorded (`dynaflow_fn.tracing.gradients`).
+    Calling a Program runs its graph
     eagerly, which is handy as a reference. Printing it shows code.
     """
 
@@ -78,6 +83,8 @@ class Program(HasSignature):
     source: Source | None = field(default=None, compare=False)
     passes: tuple[Any, ...] = field(default=(), compare=False)
     module_modes: tuple[tuple[torch.nn.Module, bool], ...] = field(default=(), compare=False)
+    objects_read: tuple[Any, ...] = field(default=(), compare=False)
+    gradient_flow: Any = field(default=None, compare=False)
 
     @property
     def graph(self) -> fx.Graph:

@@ -20,7 +20,9 @@ import torch
 
 from ..ir.tree import TensorSpec
 from ..plan.plan import Plan
+from ..tracing.gradients import GradientFlow
 from .inputs import TensorInputs
+from .object_watch import ObjectWatch
 from .state import is_state
 
 
@@ -38,10 +40,11 @@ class Binding:
     """A plan, the module modes it was traced in, and its input map (see the module docstring)."""
 
     def __init__(self, plan: Plan, module_modes: Sequence[tuple[torch.nn.Module, bool]], inputs: TensorInputs,
-                 fn_name: str):
+                 fn_name: str, watch: ObjectWatch | None = None, gradient_flow: GradientFlow | None = None):
         self.plan = plan
         self.fn_name = fn_name
         self.module_modes = tuple(module_modes)
+        self.watch = watch or ObjectWatch(())          # the hooks, submodules and attributes it was traced under
         self.positions = inputs.positions
         self.pick_tensors = picker(inputs.positions)
         self.closed_over = [c.tensor for c in plan.closed_over]
@@ -52,12 +55,18 @@ class Binding:
                                   | set(range(arguments, arguments + len(self.closed_over))))
         self.names = list(inputs.names) + [c.name for c in plan.closed_over]
         returned_inputs = set(plan.input_slots)
-        self.differentiable = [i for i, slot in enumerate(plan.output_slots) if slot not in returned_inputs]
+        known = gradient_flow is not None and len(gradient_flow.outputs) == len(plan.output_slots)
+        depends = gradient_flow.outputs if known else [tuple(range(len(self.names)))] * len(plan.output_slots)
+        self.differentiable = [(i, depends[i]) for i, slot in enumerate(plan.output_slots)
+                               if slot not in returned_inputs and depends[i]]   # output, the inputs it comes from
+        self.updated_under_grad = gradient_flow.updated if gradient_flow is not None else ()
         self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
 
     def stale(self) -> bool:
-        """Whether a closed-over tensor has changed layout: this plan can never run again."""
-        return any(TensorSpec.of(t) != spec for t, spec in zip(self.closed_over, self.closed_over_specs))
+        """Whether a closed-over tensor has changed layout, or a hook it was traced with is gone: this
+        plan can never run again."""
+        return (any(TensorSpec.of(t) != spec for t, spec in zip(self.closed_over, self.closed_over_specs))
+                or self.watch.dead())
 
     def tensors_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
         """The plan's tensor inputs for a call with these leaves: the argument tensors, then the closed-over ones."""

@@ -8,7 +8,9 @@ A plan is built from one call's arguments and from Python state that tracing and
   the default dtype and device, deterministic algorithms, TF32 and reduced-precision matmuls:
   `call_state`);
 * the `training` flag of every module whose flag the trace read (dropout, batch norm: `mode_reads`);
-* the tensors the function closes over (their layout; they are read in place).
+* the tensors the function closes over (their layout; they are resident);
+* the Python state of the modules the trace called or closes over, and of a jitted method's
+  instance: hooks, submodules, parameters, attributes (`object_watch`, one counter per call).
 
 Building the full key costs about half a microsecond per leaf, as long as a replay for a decode step
 with hundreds of weights, so a call first asks the `Guard` of the plan used last, which compares the
@@ -24,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import compat
-from ..errors import InputError
+from ..errors import GradientError, InputError
 from ..ir.tree import leaf_key
 from . import fast_check
 from .binding import picker
@@ -60,13 +62,15 @@ class Guard:
     device. A tensor read in place may be another tensor object with the same layout; the executable
     checks its address and captures again if it moved. A changed layout is seen however it was made
     (`resize_`, `t_()`, `t.data = v` with `v` anywhere). One C++ call checks all of it where torch has
-    its guard manager (`fast_check`); Python compares the same fields otherwise.
+    its guard manager (`fast_check`); Python compares the same fields otherwise. The `watch` (an
+    `object_watch.ObjectWatch`) says whether the modules' Python state is still as traced: one counter.
     """
 
     def __init__(self, treedef: Any, leaves: Sequence[Any], state: tuple, modules: Sequence[torch.nn.Module] = (),
-                 closed_over: Sequence[torch.Tensor] = ()):
+                 closed_over: Sequence[torch.Tensor] = (), watch: Any = None):
         self.treedef = treedef
         self.state = state
+        self.watch = watch if watch is not None and watch.watches_anything else None
         native = fast_check.native_check(leaves, modules, closed_over)
         if native is None:
             self.leaves_fit = _python_check(leaves, modules, closed_over)
@@ -76,7 +80,8 @@ class Guard:
             self.leaves_fit = native.check
 
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
-        return treedef == self.treedef and state == self.state and self.leaves_fit(leaves)
+        return (treedef == self.treedef and state == self.state and self.leaves_fit(leaves)
+                and (self.watch is None or self.watch.unchanged()))
 
 
 def _python_check(leaves: Sequence[Any], modules: Sequence[torch.nn.Module],
@@ -141,3 +146,25 @@ def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], n
                     f"(an in-place update or a donated argument). A traced program sees them as separate "
                     f"tensors, so it would not compute what eager PyTorch computes. Pass a copy "
                     f"({names[other]}.clone()) or pass the tensor once.")
+
+
+def check_updates_allowed(tensors: Sequence[torch.Tensor], updated: Sequence[int], names: Sequence[str],
+                          fn_name: str) -> None:
+    """Refuse a call, with grad mode on, that would update in place a tensor requiring grad: the function
+    does so outside its own `torch.no_grad()` (`gradients.GradientFlow.updated`). Eager PyTorch refuses a
+    leaf (a parameter) or a view of one; for any other such tensor it records the update in the autograd
+    graph, which a compiled plan cannot."""
+    for index in updated:
+        tensor = tensors[index]
+        if not tensor.requires_grad:
+            continue
+        name = names[index]
+        what = (f"{name} is a leaf tensor that requires grad, and for the same call eager PyTorch raises \"a leaf "
+                f"Variable that requires grad is being used in an in-place operation\"" if tensor.is_leaf else
+                f"{name} requires grad and is no leaf: a view of one, which eager PyTorch refuses too (\"a view of a "
+                f"leaf Variable that requires grad is being used in an in-place operation\"), or the result of an "
+                f"op, whose in-place update eager PyTorch records in the autograd graph and a compiled plan cannot")
+        raise GradientError(
+            f"df.jit({fn_name}) updates {name} in place while gradients are recorded: {what}. Update it under "
+            f"torch.no_grad() (inside the function, or around the call), or pass {name}.detach() if the update "
+            f"need not reach the autograd graph.")

@@ -13,6 +13,10 @@ The path of a call: `Jitted.__call__` flattens the arguments once; the last plan
 the call (`guard`), or the cache finds or builds a `Replayer` by the signature; a miss runs the
 `Pipeline` (trace -> passes -> lower -> verify) and binds the Plan to the call (`Binding`);
 `strategy="auto"` chooses among candidate functions (`autotune`).
+
+Called while ops are traced or transformed (inside another jitted function, `df.trace`, `torch.func.vmap`
+or `torch.func.grad`), a jitted function runs its Python function, so that the trace or transform sees
+its ops, as `jax.jit` inside `jax.jit` is inlined.
 """
 
 from __future__ import annotations
@@ -25,21 +29,24 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from .. import compat
 from ..errors import ResidentInputMoved
 from ..ir.program import Program
 from ..ir.tree import Flat
 from ..plan.plan import Plan
-from . import autotune
+from . import autotune, methods
 from .binding import Binding
 from .call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from .cold_start import ColdStart
 from .guard import call_state, modes_unchanged
 from .inputs import TensorInputs
+from .object_watch import ObjectWatch
 from .options import JitOptions
 from .pipeline import Pipeline
 from .replayer import Replayer
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ops_are_transformed = compat.ops_are_transformed
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class Jitted:
     # --- public API ------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _ops_are_transformed():                 # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
+            return self.fn(*args, **kwargs)
         if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):
             leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:
@@ -98,6 +107,11 @@ class Jitted:
         self._last = replayer if signature is not None else None
         return replayer.call(treedef, leaves, state)
 
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """As a method (`@df.jit` in a class body): the jitted function bound to `instance`, one per
+        instance, kept while it lives (see `methods`)."""
+        return self if instance is None else methods.bound(self, instance)
+
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program (after transforms and the passes that choose its kernels' form, before lowering)
         that a call with these arguments runs."""
@@ -123,7 +137,8 @@ class Jitted:
         """Forget every plan (and free its CUDA graph and buffers once no output refers to them).
 
         Needed only after changing Python state that tracing read and no check can see, such as a
-        module attribute other than `training` or a global the function branches on."""
+        global the function branches on, a closure variable rebound to another tensor, or a module's
+        hook dict edited directly (see `object_watch`)."""
         with self._compiling:
             self._cache.clear()
             self._last = None
@@ -139,7 +154,7 @@ class Jitted:
         live = [replayer for replayer in replayers if not replayer.binding.stale()]
         if len(live) < len(replayers):
             self._cache[signature] = live
-        return next((r for r in live if modes_unchanged(r.binding.module_modes)), None)
+        return next((r for r in live if modes_unchanged(r.binding.module_modes) and r.binding.watch.unchanged()), None)
 
     def _inputs(self, flat: Flat) -> TensorInputs:
         return TensorInputs.of(self.fn, flat, self.options.donate_argnums, self.options.persistent_argnums)
@@ -148,7 +163,9 @@ class Jitted:
         """`fn` (the function, or a candidate strategy of it) through the pipeline for this call, bound."""
         inputs = self._inputs(flat)
         built = self.pipeline.build(fn, flat, inputs, cold_start)
-        binding = Binding(built.plan, built.program.module_modes, inputs, self.name)
+        program = built.program
+        binding = Binding(built.plan, program.module_modes, inputs, self.name, ObjectWatch(program.objects_read),
+                          program.gradient_flow)
         return Replayer(binding, self.options.runtime(built.plan.device), self.options.static_outputs,
                         self._count_capture, cold_start)
 

@@ -22,7 +22,7 @@ from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from .binding import Binding
 from .cold_start import ColdStart
-from .guard import Guard, check_no_aliasing
+from .guard import Guard, check_no_aliasing, check_updates_allowed
 from .options import CUDAGRAPH
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -86,6 +86,8 @@ class Replayer:
         binding = self.binding
         if binding.written:
             check_no_aliasing(tensors, binding.written, binding.names, aliasing_others)
+        if binding.updated_under_grad and torch.is_grad_enabled():
+            check_updates_allowed(tensors, binding.updated_under_grad, binding.names, binding.fn_name)
         executable = self.executable or self._build(tensors, None, resident)
         try:
             outputs = executable(tensors)
@@ -94,7 +96,7 @@ class Replayer:
                 raise
             outputs = self._build(tensors, executable, resident)(tensors)
         if torch.is_grad_enabled() and binding.differentiable and any(map(_REQUIRES_GRAD, tensors)):
-            outputs = self._without_backward(outputs)
+            outputs = self._without_backward(outputs, tensors)
         return binding.outputs(outputs)
 
     # --- building ---------------------------------------------------------------------------------
@@ -150,12 +152,15 @@ class Replayer:
         resident = set(getattr(self.executable, "resident", ()))
         self.changing = (None if not set(binding.written) <= resident
                          else [i for i in range(len(binding.names)) if i not in resident])
-        return Guard(treedef, leaves, state, [m for m, _ in binding.module_modes], binding.closed_over)
+        return Guard(treedef, leaves, state, [m for m, _ in binding.module_modes], binding.closed_over,
+                     watch=binding.watch)
 
-    def _without_backward(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Outputs that, like eager ones computed from tensors requiring grad, require grad; their
-        backward raises an error that says why df.jit has none and what to do instead."""
-        chosen = [i for i in self.binding.differentiable if outputs[i].is_floating_point() or outputs[i].is_complex()]
+    def _without_backward(self, outputs: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Outputs that, like eager ones, require grad: those that depend, through ops eager autograd
+        records, on an input that requires grad (`tracing.gradients.GradientFlow`); their backward
+        raises an error that says why df.jit has none and what to do instead."""
+        chosen = [i for i, inputs in self.binding.differentiable if any(tensors[k].requires_grad for k in inputs)
+                  and (outputs[i].is_floating_point() or outputs[i].is_complex())]
         if not chosen:
             return outputs
         outputs = list(outputs)

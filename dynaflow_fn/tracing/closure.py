@@ -66,6 +66,18 @@ def lift_closed_over(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tu
     return tuple(closed_over)
 
 
+def closed_over_objects(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """The modules among the variables `fn` reads from outside (closure cells, the globals it names, the
+    module of `df.pure`) and the instance `self` it is bound to or closes over: objects whose Python
+    attributes a trace of `fn` reads besides those of the modules it calls."""
+    found: dict[int, Any] = {}
+    for name, value in _closure_variables(fn):
+        if isinstance(value, torch.nn.Module) or (name == "self" and hasattr(value, "__dict__")
+                                                  and not isinstance(value, type)):
+            found.setdefault(id(value), value)
+    return tuple(found.values())
+
+
 def _names_of(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> list[str]:
     """Readable names for closed-over tensors: where the function's closure or globals hold them
     (`params['fc.weight']`, `model.norm.weight`, `scale`), else `closed_over{k}`. Names are unique."""

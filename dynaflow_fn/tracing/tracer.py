@@ -6,6 +6,10 @@ whose parameters live on the `meta` device traces on a laptop. When the traced o
 mutate anything, the recorded graph is traced once more through `torch.func.functionalize`, which
 removes inplace ops; a mutation of an input survives as a final `aten.copy_` into that input.
 
+A trace steps out of whatever trace or dispatch mode is active when it starts, so traces nest: a
+function traced inside another traced function (a transform's body, `df.trace` in model code) gets a
+Program of its own, which the outer trace then records as it runs.
+
 Model code that branches on tensor values cannot be traced; the error points at the user's line.
 """
 
@@ -30,16 +34,19 @@ from ..compat import (
     current_trace_graph,
     fx_tracing_flag_cleared,
     make_fx,
+    outside_current_trace,
     quiet_meta_failures,
 )
-from ..errors import DynaflowError, InputError, MetaKernelRejection, TraceError, is_library_file
+from ..errors import (DynaflowError, InputError, MetaKernelRejection, TraceError, is_installed_package_file,
+                      is_library_file)
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program
-from ..ir.signature import InputSpec, OutputSpec, Signature, device_of
+from ..ir.signature import ClosedOver, InputSpec, OutputSpec, Signature, device_of
 from ..ir.tree import TensorSpec
-from .closure import lift_closed_over
+from .closure import closed_over_objects, lift_closed_over
+from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 
@@ -108,15 +115,11 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
 
     observed: dict[str, Any] = {}
     flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed)
-    with _TRACING, torch.no_grad(), quiet_meta_failures(), _translate_errors(getattr(fn, "__name__", "fn")):
+    with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
+            _translate_errors(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-        recorder = observed["recorder"]
-        scopes = recorder.finish()
-        closed_over = lift_closed_over(traced, fn)
-        if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
-            fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
-            traced, scopes = _functionalize(traced, scopes, [specs[i].fake(fresh) for i in kinds.tensor_positions] +
-                                            [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
+        traced, scopes, closed_over, flow = _functional(traced, fn, observed, [specs[i] for i in kinds.tensor_positions])
+    recorder = observed["recorder"]
 
     out_paths, out_leaves, out_tree = observed["out"]
     outputs = _output_specs(out_paths, out_leaves)
@@ -134,7 +137,23 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         provenance=("trace", *provenance),
         source=TraceSource(fn, body, abstract_args, abstract_kwargs),
         module_modes=_module_modes(observed["mode_reads"], recorder.called_modules()),
+        objects_read=tuple({id(o): o for o in (*recorder.called_modules(), *closed_over_objects(fn))}.values()),
+        gradient_flow=flow,
     )
+
+
+def _functional(traced: fx.GraphModule, fn: Callable[..., Any], observed: dict[str, Any],
+                specs: Sequence[TensorSpec]) -> tuple[fx.GraphModule, dict, tuple[ClosedOver, ...], GradientFlow]:
+    """The traced graph with closed-over tensors lifted to inputs and, if it mutates anything, made
+    functional; its nodes' scopes, the tensors lifted, and its gradient flow."""
+    scopes = observed["recorder"].finish()
+    closed_over = lift_closed_over(traced, fn)
+    flow = gradient_flow(traced.graph, observed["grad_recorded"])
+    if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
+        fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
+        traced, scopes = _functionalize(traced, scopes, [spec.fake(fresh) for spec in specs] +
+                                        [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
+    return traced, scopes, closed_over, flow
 
 
 def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.PyTreeSpec,
@@ -150,7 +169,8 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
         call_args, call_kwargs = optree.tree_unflatten(in_tree, full)
         recorder = ScopeRecorder(current_trace_graph())
         observed["recorder"] = recorder
-        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared():
+        with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared(), \
+                recording_grad_modes(recorder.graph) as observed["grad_recorded"]:
             result = body(*call_args, **call_kwargs)
         observed["mode_reads"] = dict(mode_reads)
         out_paths, out_leaves, out_tree = tree.flatten(result)
@@ -251,9 +271,17 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def user_frame(tb: Any) -> traceback.FrameSummary | None:
-    """The innermost frame of a traceback that belongs to neither torch nor dynaflow_fn."""
-    frames = [f for f in traceback.extract_tb(tb) if not is_library_file(f.filename) and not f.filename.startswith("<")]
-    return frames[-1] if frames else None
+    """The line of the traced function's code where the error arose: the innermost frame inside the
+    trace (after `flat_body`; the caller's own line that started the trace is not the culprit) that
+    belongs to neither the standard library, torch nor dynaflow_fn, preferring the user's own files
+    to installed packages (a line of theirs that calls transformers, over transformers' own)."""
+    frames = traceback.extract_tb(tb)
+    entry = next((i for i in reversed(range(len(frames))) if frames[i].name == "flat_body"
+                  and frames[i].filename == __file__), None)
+    inside = [f for f in frames[entry + 1:] if not is_library_file(f.filename) and not f.filename.startswith("<")] \
+        if entry is not None else []
+    own = [f for f in inside if not is_installed_package_file(f.filename)]
+    return (own or inside or [None])[-1]
 
 
 def _where(error: BaseException) -> str:
