@@ -1,5 +1,7 @@
 """CUDA-graph capture and replay. Skipped where there is no CUDA device."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -277,3 +279,20 @@ def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move()
             torch.testing.assert_close(fast(cache, x), scaled(cache, x))
     assert fast.cache_info().captures == 3                    # first call, first move, second move; then copied
     assert len([w for w in caught if "is resident" in str(w.message)]) == 1
+
+
+def test_a_resident_input_replaced_now_and_then_stays_resident():
+    """A KV cache made anew for each generate() call and then read by many steps: each replacement
+    captures once, and the input is never demoted to a copy per call."""
+    def scaled(cache, x):
+        return cache * 2 + x
+
+    fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
+    x = torch.randn(4, 8, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # no demotion warning
+        for _ in range(3):
+            cache = torch.randn(4, 8, device="cuda")
+            for _ in range(3):
+                torch.testing.assert_close(fast(cache, x), scaled(cache, x))
+    assert fast.cache_info().captures == 3

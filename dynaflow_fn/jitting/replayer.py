@@ -41,8 +41,9 @@ class Replayer:
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
         self.changing: list[int] | None = None        # inputs the guard does not know by identity (see replay)
-        self.moved: set[int] = set()                   # resident inputs that arrived at a new address
-        self.copied_anyway: set[int] = set()           # ... twice: copied in from then on
+        self.runs = 0                                  # calls run, to tell a move per call from a move now and then
+        self.moved_at: dict[int, int] = {}             # resident inputs that arrived at a new address: when
+        self.copied_anyway: set[int] = set()           # ... on two calls in a row: copied in from then on
         self.no_backward = (f"backward through the outputs of df.jit({binding.fn_name}): a compiled plan records "
                             f"no autograd graph. Differentiate inside the jitted function (df.value_and_grad / "
                             f"df.grad return the gradients), or call it under torch.no_grad() when no gradient "
@@ -84,6 +85,7 @@ class Replayer:
         `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors;
         `aliasing_others` limits the aliasing check (see `replay`)."""
         binding = self.binding
+        self.runs += 1
         if binding.written:
             check_no_aliasing(tensors, binding.written, binding.names, aliasing_others)
         if binding.updated_under_grad and torch.is_grad_enabled():
@@ -126,20 +128,22 @@ class Replayer:
             return self.executable
 
     def _note_moved(self, tensors: Sequence[torch.Tensor], moved_from: CudaGraphExecutable) -> None:
-        """A resident input that arrives at a new address forces a new capture. One that does so a
-        second time is a per-call tensor in a resident's position (a new tensor passed where state was
-        expected): capturing on every call would cost far more than copying it, so from then on it is
-        copied in, which computes the same, and a warning says how to keep it resident."""
+        """A resident input that arrives at a new address forces a new capture. State that is replaced
+        now and then (a KV cache made anew for each generate() call, then read by a hundred decoding
+        steps) is worth it. One that moves on two calls in a row is a per-call tensor in a resident's
+        position (a new tensor passed where state was expected): capturing on every call would cost
+        far more than copying it, so from then on it is copied in, which computes the same, and a
+        warning says how to keep it resident."""
         for i in moved_from.resident:
             if tensors[i].data_ptr() == moved_from.addresses[i]:
                 continue
-            if i in self.moved and i not in self.copied_anyway:
+            if self.moved_at.get(i) == self.runs - 1 and i not in self.copied_anyway:
                 self.copied_anyway.add(i)
                 warn(f"df.jit({self.binding.fn_name}): {self.binding.names[i]} is resident (model state, donated "
-                     f"or persistent: read at its own address) but arrived at a new address again, which captured "
-                     f"the CUDA graph again; it is copied in on every call from now on. Pass the same tensor each "
-                     f"call to keep it resident.")
-            self.moved.add(i)
+                     f"or persistent: read at its own address) but arrived at a new address on two calls in a row, "
+                     f"each capturing the CUDA graph again; it is copied in on every call from now on. Pass the "
+                     f"same tensor each call to keep it resident.")
+            self.moved_at[i] = self.runs
 
     def _cold_start_phase(self, label: str) -> Any:
         return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ..compat import OpOverload, compile_with_inductor
+from ..compat import OpOverload, compile_with_inductor, outside_current_trace
 from ..errors import warn
 from ..ir import ops
 from ..ir.analyses import setup_nodes
@@ -95,7 +95,8 @@ class InductorPass(Pass):
                  ) -> Callable | None:
         try:
             with torch.no_grad():
-                return compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
+                with outside_current_trace():          # a jitted call inside torch's compiled code (AOTAutograd's modes)
+                    return compile_with_inductor(graph_module, [node.meta["val"] for node in inputs])
         except Exception as error:     # only Inductor runs here; its failures (asserts too) fall back to aten
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warn(f"Inductor could not compile {_describe(run)}; it runs as aten ops instead "
