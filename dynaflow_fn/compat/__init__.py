@@ -30,7 +30,6 @@ from .tracing import (
     UnsupportedOperatorException,
     current_trace_graph,
     fx_tracing_flag_cleared,
-    in_backward,
     make_fx,
     ops_are_transformed,
     outside_current_trace,

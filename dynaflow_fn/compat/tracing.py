@@ -166,12 +166,3 @@ def _resolve_ops_are_transformed() -> Any:
 
 
 ops_are_transformed = _resolve_ops_are_transformed()
-
-
-def in_backward() -> bool:
-    """Whether this thread runs the autograd engine's backward now (its ops run with grad mode at
-    `create_graph`): torch's current graph task. Fallback: False, so ops that `torch.autograd.grad`
-    records while tracing count as run by the function itself (their outputs are then taken to
-    require grad when their inputs do: backward through them still raises df.jit's error)."""
-    query = getattr(torch._C, "_current_graph_task_id", None)
-    return query is not None and query() != -1
