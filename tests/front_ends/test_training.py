@@ -164,7 +164,7 @@ def test_example_learns_to_copy_and_its_bar_leaves_a_line_in_a_log():
 
 
 def test_example_writes_its_plot_into_a_folder_git_ignores():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
         pytest.skip("not a git checkout")
     default = inspect.signature(load_example("train_tiny_llama").train).parameters["plot"].default
