@@ -1,25 +1,35 @@
-"""Builders shared by the tests that mirror the package: random programs, fine partitions and random
-schedules (dynaflow_fn.testing's, which users get too), and the flat tensor inputs a Plan's
-executable takes."""
+"""Builders shared by the tests of several folders: random programs, fine partitions and random
+schedules (dynaflow_fn.testing's, which users get too), the verified plan of a function, the flat
+tensor inputs a Plan's executable takes."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import optree
 import torch
 from hypothesis import strategies as st
 
+import dynaflow_fn as df
 from dynaflow_fn import transforms as T
-from dynaflow_fn.plan.plan import Step, StepKind
+from dynaflow_fn.plan.plan import Plan, Step, StepKind
 from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build, example_inputs
 from dynaflow_fn.testing.strategies import recipes
 
-__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "recipes", "scheduled", "step_lists"]
+__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "plan_of", "recipes",
+           "scheduled", "step_lists"]
 
 
 def scheduled(fn, strategy, inputs: int, micro_batches: bool = True):
     """fn split into two micro-batches (optionally), one stage per node, ordered by `strategy`."""
     step = T.microbatch(fn, num=2, in_axes=(None,) + (0,) * inputs) if micro_batches else fn
     return T.overlap(T.partition(step, rules=[EachNode()]), strategy=strategy)
+
+
+def plan_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
+    """fn traced on the arguments and lowered, without df.jit's passes: `df.lower(df.trace(fn, ...))`,
+    checked by df.verify, so every plan a test reads is race-free."""
+    return df.verify(df.lower(df.trace(fn, *args, **kwargs)))
 
 
 def flat_tensors(*args, **kwargs) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
 from example_loader import load_example
+from fixtures import plan_of
 from models import MLP, llama_logits, tiny_llama
 
 
@@ -148,7 +149,7 @@ def test_changing_batch_shapes_warn_after_eight():
 
 
 def test_out_kernels_that_use_their_output_as_scratch_are_not_used():
-    plan = df.lower(df.trace(lambda a, b: F.mse_loss(a, b), torch.randn(8, 16), torch.randn(8, 16)))
+    plan = plan_of(lambda a, b: F.mse_loss(a, b), torch.randn(8, 16), torch.randn(8, 16))
     step = next(s for s in plan.steps if s.node == "mse_loss")
     assert step.kind is StepKind.ALLOC
 

@@ -13,7 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn.lowering import memory
 from dynaflow_fn.plan.ordering import Clocks
 from dynaflow_fn.plan.plan import StorageKind
-from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled, step_lists
+from fixtures import RandomScheduler, build, example_inputs, plan_of, recipes, scheduled, step_lists
 
 
 def _ordered(clocks, first, second):
@@ -41,7 +41,7 @@ def test_buffers_sharing_bytes_are_never_in_use_together(recipe, seed, streams, 
     inputs, fn = build(recipe)
     step = scheduled(fn, RandomScheduler(seed, streams), inputs, micro_batches)
     args = example_inputs(inputs)
-    plan = df.verify(df.lower(df.trace(step, *args)))
+    plan = plan_of(step, *args)
     _assert_shared_bytes_are_ordered(plan)
     for got, expected in zip(df.jit(step, backend="eager")(*args), fn(*args)):
         torch.testing.assert_close(got, expected, equal_nan=True)
@@ -74,7 +74,7 @@ def test_a_chain_reuses_memory_so_the_arena_holds_two_buffers_not_all():
         return x
 
     x = torch.randn(64, 64)
-    plan = df.lower(df.trace(chain, x))
+    plan = plan_of(chain, x)
     buffer = memory.align(x.numel() * x.element_size())
     arena = [s for s in plan.storages if s.kind is StorageKind.ARENA]
     assert len(arena) >= 8

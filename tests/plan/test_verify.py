@@ -13,13 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn.lowering import memory
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
-from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build
-from dynaflow_fn.testing.strategies import recipes
-
-
-def _schedule(fn, strategy, micro_batches, inputs):
-    step = T.microbatch(fn, num=2, in_axes=(None,) + (0,) * inputs) if micro_batches else fn
-    return T.overlap(T.partition(step, rules=[EachNode()]), strategy=strategy)
+from fixtures import EachNode, RandomScheduler, build, plan_of, recipes, scheduled
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -27,10 +21,9 @@ def _schedule(fn, strategy, micro_batches, inputs):
 def test_random_schedules_are_verified_and_exact(recipe, seed, streams, micro_batches):
     inputs, fn = build(recipe)
     args = [torch.randn(8, 8) for _ in range(inputs + 1)]
-    random_step = _schedule(fn, RandomScheduler(seed, streams), micro_batches, inputs)
-    sequential_step = _schedule(fn, "sequential", micro_batches, inputs)
-    plan = df.lower(df.trace(random_step, *args))
-    df.verify(plan)
+    random_step = scheduled(fn, RandomScheduler(seed, streams), inputs, micro_batches)
+    sequential_step = scheduled(fn, "sequential", inputs, micro_batches)
+    plan_of(random_step, *args)
     got = df.jit(random_step)(*args)
     expected = df.jit(sequential_step)(*args)
     for a, b in zip(got, expected):
@@ -44,7 +37,7 @@ def test_random_schedules_are_verified_and_exact(recipe, seed, streams, micro_ba
 def test_removing_any_event_wait_is_caught(recipe, seed, choice):
     inputs, fn = build(recipe)
     args = [torch.randn(8, 8) for _ in range(inputs + 1)]
-    plan = df.lower(df.trace(_schedule(fn, RandomScheduler(seed, 3, pace=False), True, inputs), *args))
+    plan = plan_of(scheduled(fn, RandomScheduler(seed, 3, pace=False), inputs), *args)
     waits = [(step.index, event) for step in plan.steps for event in step.waits]
     if not waits:
         return
@@ -60,7 +53,7 @@ def test_verifier_names_the_unordered_steps():
         return x.sin(), x.cos() + x.sin()
 
     step = T.overlap(T.partition(T.microbatch(two, num=2), rules=[EachNode()]), strategy="roundrobin")
-    plan = df.lower(df.trace(step, torch.randn(8, 4)))
+    plan = plan_of(step, torch.randn(8, 4))
     target = next(s for s in plan.steps if s.waits and s.kind is not StepKind.JOIN)
     broken = [dataclasses.replace(s, waits=()) if s.index == target.index else s for s in plan.steps]
     with pytest.raises(df.VerificationError, match=rf"step {target.index} \(s{target.stream}"):

@@ -9,7 +9,7 @@ import torch
 import dynaflow_fn as df
 from dynaflow_fn.runtime.eager import EagerExecutable
 from dynaflow_fn.runtime.turns import Turns
-from fixtures import flat_tensors
+from fixtures import flat_tensors, plan_of
 from models import MLP
 
 THREADS = 6
@@ -66,7 +66,7 @@ def test_a_call_that_raises_gives_up_its_turn():
 def test_threads_calling_one_executable_get_exactly_their_own_results():
     model = MLP((64, 256, 256, 64))
     fn, params = df.pure(model)
-    plan = df.lower(df.trace(fn, params, torch.randn(32, 64)))
+    plan = plan_of(fn, params, torch.randn(32, 64))
     executable = EagerExecutable(plan, torch.device("cpu"))
     inputs = [torch.randn(32, 64) for _ in range(THREADS)]
     alone = [executable(flat_tensors(params, x))[0] for x in inputs]
