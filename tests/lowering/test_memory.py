@@ -5,6 +5,7 @@ on random happens-before orders; and reuse keeps a chain's arena near its peak o
 from collections import defaultdict
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from dynaflow_fn.lowering import memory
 from dynaflow_fn.plan.ordering import Clocks
 from dynaflow_fn.plan.plan import StorageKind
 from fixtures import RandomScheduler, build, example_inputs, plan_of, recipes, scheduled, step_lists
+from models import Block, llama_logits, tiny_llama
 
 
 def _ordered(clocks, first, second):
@@ -45,6 +47,14 @@ def test_buffers_sharing_bytes_are_never_in_use_together(recipe, seed, streams, 
     _assert_shared_bytes_are_ordered(plan)
     for got, expected in zip(df.jit(step, backend="eager")(*args), fn(*args)):
         torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("make", [lambda: (*df.pure(Block()), torch.randn(2, 8, 32)),
+                                  lambda: (*llama_logits(tiny_llama()), torch.randint(0, 128, (2, 8)))],
+                         ids=["block", "llama"])
+def test_buffers_of_real_models_sharing_bytes_are_never_in_use_together(make):
+    fn, params, x = make()
+    _assert_shared_bytes_are_ordered(plan_of(fn, params, x))
 
 
 @settings(max_examples=80, deadline=None)

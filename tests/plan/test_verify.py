@@ -3,14 +3,12 @@ verifier catches every planted race."""
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dynaflow_fn as df
-from dynaflow_fn.lowering import memory
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
 from fixtures import EachNode, RandomScheduler, build, plan_of, recipes, scheduled
@@ -59,19 +57,3 @@ def test_verifier_names_the_unordered_steps():
     with pytest.raises(df.VerificationError, match=rf"step {target.index} \(s{target.stream}"):
         df.verify(dataclasses.replace(plan, steps=tuple(broken)))
 
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(1, 5000)), min_size=1, max_size=25))
-def test_arena_never_overlaps_buffers_that_are_live_together(intervals):
-    """On one stream, buffer p may share bytes with q only if one's last use precedes the other's first."""
-    spans = [(min(a, b), max(a, b), size) for a, b, size in intervals]
-    release = np.array([[last + 1] for _, last, _ in spans])
-    acquire = np.array([[first] for first, _, _ in spans])
-    layout = memory.pack([size for _, _, size in spans], release, acquire)
-    for i, (f1, l1, s1) in enumerate(spans):
-        assert layout.offsets[i] % memory.ALIGNMENT == 0
-        assert layout.offsets[i] + s1 <= layout.nbytes
-        for j, (f2, l2, s2) in enumerate(spans[:i]):
-            if f1 <= l2 and f2 <= l1:
-                a, b = layout.offsets[i], layout.offsets[j]
-                assert a + memory.align(s1) <= b or b + memory.align(s2) <= a
