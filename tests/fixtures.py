@@ -1,9 +1,10 @@
 """Builders shared by the tests of several folders: random programs, fine partitions and random
 schedules (dynaflow_fn.testing's, which users get too), the verified plan of a function, the flat
-tensor inputs a Plan's executable takes."""
+tensor inputs a Plan's executable takes, and threads released at once."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import optree
@@ -16,7 +17,7 @@ from dynaflow_fn.plan.plan import Plan, Step, StepKind
 from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build, example_inputs
 from dynaflow_fn.testing.strategies import recipes
 
-__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "plan_of", "recipes",
+__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "plan_of", "recipes", "run_together",
            "scheduled", "step_lists"]
 
 
@@ -30,6 +31,28 @@ def plan_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
     """fn traced on the arguments and lowered, without df.jit's passes: `df.lower(df.trace(fn, ...))`,
     checked by df.verify, so every plan a test reads is race-free."""
     return df.verify(df.lower(df.trace(fn, *args, **kwargs)))
+
+
+def run_together(work: Callable[[int], None], threads: int) -> None:
+    """work(0), ..., work(threads - 1), each on a thread of its own, released at once by a barrier so
+    that their calls race; the first exception any of them raised is raised again in the caller."""
+    start = threading.Barrier(threads)
+    errors = []
+
+    def body(index):
+        start.wait()
+        try:
+            work(index)
+        except BaseException as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    running = [threading.Thread(target=body, args=(index,)) for index in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def flat_tensors(*args, **kwargs) -> list[torch.Tensor]:
