@@ -72,11 +72,14 @@ def test_module_scopes_nest_outermost_first_around_regions():
     assert paths[0] == ["Block", "region(attn)", "attn:Attention", "attn.qkv:Linear"]
     assert paths[1] == ["Block", "region(attn)", "attn:Attention", "attn.proj:Linear"]
     assert paths[2] == ["Block", "mlp:Sequential", "mlp.0:Linear"]
+    assert paths[3] == ["Block", "mlp:Sequential", "mlp.2:Linear"]
     for node in program.ops():
         scopes = info(node).scopes
         assert scopes and scopes[0].kind == "module" and scopes[0].module_type is Block
         in_attention = any(s.name == "attn" and s.kind == "module" for s in scopes)
-        assert in_attention <= any(s.kind == "region" for s in scopes)
+        in_region = any(s.kind == "region" for s in scopes)
+        assert in_attention <= in_region
+        assert not (in_region and "mlp" in str(scopes))                  # the region holds none of the MLP
 
 
 def test_outside_a_trace_a_region_changes_nothing():
