@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
-from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
 from example_loader import load_example
 from fixtures import plan_of
@@ -72,18 +71,6 @@ def test_grad_and_aux():
     grads, aux = df.jit(df.grad(loss_fn, has_aux=True))(w, x)
     torch.testing.assert_close(aux, x @ w)
     torch.testing.assert_close(grads, 2 * x.T @ (x @ w) / 15)
-
-
-@pytest.mark.parametrize("batch", [8, 7])
-def test_accumulated_gradients_equal_full_batch_gradients(batch):
-    model, loss_fn, params = _mlp_loss()
-    accumulate = T.microbatch(df.value_and_grad(loss_fn), num=4, in_axes=(None, 0, 0), out_axes="mean")
-    x, y = torch.randn(batch, 32), torch.randn(batch, 16)
-    loss, grads = df.jit(accumulate)(params, x, y)
-    full_loss, full_grads = df.value_and_grad(loss_fn)(params, x, y)
-    torch.testing.assert_close(loss, full_loss)
-    for name in full_grads:
-        torch.testing.assert_close(grads[name], full_grads[name])
 
 
 @pytest.mark.parametrize("name, make, reference", [

@@ -282,7 +282,8 @@ def test_gradient_accumulation_with_a_mean_loss_does_not_warn():
         torch.testing.assert_close(grads[name], full_grads[name])
 
 
-def test_mse_gradient_accumulation_does_not_warn(no_microbatch_warnings):
+@pytest.mark.parametrize("batch", [8, 7])
+def test_mse_gradient_accumulation_equals_the_full_batch_gradients_and_does_not_warn(batch, no_microbatch_warnings):
     fn, params = df.pure(MLP())
     params = {k: v.detach() for k, v in params.items()}
 
@@ -290,7 +291,12 @@ def test_mse_gradient_accumulation_does_not_warn(no_microbatch_warnings):
         return nn.functional.mse_loss(fn(params, x), y)
 
     step = T.microbatch(df.value_and_grad(loss_fn), num=4, in_axes=(None, 0, 0), out_axes="mean")
-    df.trace(step, params, torch.randn(8, 32), torch.randn(8, 16))
+    x, y = torch.randn(batch, 32), torch.randn(batch, 16)
+    loss, grads = df.jit(step)(params, x, y)
+    full_loss, full_grads = df.value_and_grad(loss_fn)(params, x, y)
+    torch.testing.assert_close(loss, full_loss)
+    for name in full_grads:
+        torch.testing.assert_close(grads[name], full_grads[name])
 
 
 @pytest.mark.parametrize("name", ["mlp", "block", "two-branch", "llama"])
