@@ -1,6 +1,6 @@
 """Builders shared by the tests of several folders: random programs, fine partitions and random
 schedules (dynaflow_fn.testing's, which users get too), the verified plan of a function, the flat
-tensor inputs a Plan's executable takes, and threads released at once."""
+tensor inputs a Plan's executable takes, threads released at once, and a training step."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build, examp
 from dynaflow_fn.testing.strategies import recipes
 
 __all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "plan_of", "recipes", "run_together",
-           "scheduled", "step_lists"]
+           "scheduled", "step_lists", "training_step"]
 
 
 def scheduled(fn, strategy, inputs: int, micro_batches: bool = True):
@@ -53,6 +53,16 @@ def run_together(work: Callable[[int], None], threads: int) -> None:
         thread.join()
     if errors:
         raise errors[0]
+
+
+def training_step(loss_fn: Callable[..., torch.Tensor], optimizer: Any) -> Callable[..., tuple]:
+    """The training step users write: the loss of loss_fn(params, x, y) and its gradients, then
+    `optimizer`'s update; `train_step(params, state, x, y) -> (params, state, loss)`."""
+    def train_step(params, state, x, y):
+        loss, grads = df.value_and_grad(loss_fn)(params, x, y)
+        params, state = optimizer.update(grads, state, params)
+        return params, state, loss
+    return train_step
 
 
 def flat_tensors(*args, **kwargs) -> list[torch.Tensor]:

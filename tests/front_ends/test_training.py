@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import dynaflow_fn as df
 from dynaflow_fn.plan.plan import StepKind
 from example_loader import load_example
-from fixtures import plan_of
+from fixtures import plan_of, training_step
 from models import MLP, llama_logits, tiny_llama
 
 
@@ -84,13 +84,7 @@ def test_jitted_train_step_matches_torch_optim_and_updates_in_place(name, make, 
     model, loss_fn, params = _mlp_loss()
     optimizer = make()
     state = optimizer.init(params)
-
-    def train_step(params, state, x, y):
-        loss, grads = df.value_and_grad(loss_fn)(params, x, y)
-        params, state = optimizer.update(grads, state, params)
-        return params, state, loss
-
-    step = df.jit(train_step, donate_argnums=(0, 1))
+    step = df.jit(training_step(loss_fn, optimizer), donate_argnums=(0, 1))
     torch_optimizer = reference(model.parameters())
     originals = dict(params)
     for _ in range(4):

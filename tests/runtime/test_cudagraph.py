@@ -5,6 +5,7 @@ import torch
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from fixtures import training_step
 from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
 
 pytestmark = pytest.mark.cuda
@@ -212,12 +213,7 @@ def test_train_step_graph_updates_parameters_in_place(backend):
     reference_params = {k: v.clone() for k, v in params.items()}
     optimizer = df.optim.adamw(lr=1e-2)
     state, reference_state = optimizer.init(params), optimizer.init(reference_params)
-
-    def train_step(params, state, x, y):
-        loss, grads = df.value_and_grad(lambda p: torch.nn.functional.mse_loss(fn(p, x), y))(params)
-        params, state = optimizer.update(grads, state, params)
-        return params, state, loss
-
+    train_step = training_step(lambda p, x, y: torch.nn.functional.mse_loss(fn(p, x), y), optimizer)
     step = df.jit(train_step, donate_argnums=(0, 1), backend=backend, progress=False)
     addresses = {k: v.data_ptr() for k, v in params.items()}
     for i in range(4):
