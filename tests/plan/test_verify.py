@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dynaflow_fn as df
+from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
 from fixtures import EachNode, RandomScheduler, build, plan_of, recipes, scheduled
@@ -20,14 +21,8 @@ def test_random_schedules_are_verified_and_exact(recipe, seed, streams, micro_ba
     inputs, fn = build(recipe)
     args = [torch.randn(8, 8) for _ in range(inputs + 1)]
     random_step = scheduled(fn, RandomScheduler(seed, streams), inputs, micro_batches)
-    sequential_step = scheduled(fn, "sequential", inputs, micro_batches)
     plan_of(random_step, *args)
-    got = df.jit(random_step)(*args)
-    expected = df.jit(sequential_step)(*args)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    for a, b in zip(got, fn(*args)):
-        torch.testing.assert_close(a, b, equal_nan=True)
+    dft.assert_equivalent(fn, random_step, *args, draws=1)    # bit for bit as the micro-batches one after another
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
