@@ -1,12 +1,15 @@
-"""The package's shape stays readable: pipeline folders, one-way imports, small modules and functions."""
+"""The package's shape stays readable: pipeline folders, one-way imports, small modules and functions,
+and tests that mirror the folders."""
 
 import ast
 import builtins
+import collections
 import pathlib
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dynaflow_fn"
+TESTS = pathlib.Path(__file__).resolve().parent
 
 STAGES = ["ir", "tracing", "transforms", "passes", "plan", "lowering", "runtime", "distributed", "jitting"]
 """The pipeline, earliest first: a module may import its own stage and earlier ones, never a later one.
@@ -18,6 +21,17 @@ FRONT_ENDS = {"pure", "autodiff", "optim", "dynamo", "testing"}
 """What users call: these may import any stage (and nothing in a stage imports them)."""
 
 MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_LOOSE_MODULES = 400, 200, 60, 8
+
+MAX_TOP_LEVEL_TEST_FILES = 8
+"""tests/test_*.py is for what concerns the whole package (its architecture, packaging, public API,
+README, examples, guarantees and errors); a test of one folder's code lives in tests/<folder>/."""
+
+TEST_FOLDERS_BEYOND_THE_PACKAGE_FOLDERS = {
+    "front_ends": "the loose front-end modules pure.py, autodiff.py and optim.py",
+    "distributed": "the loose module distributed.py: collectives on two processes",
+    "bench": "the repository's benchmarks, bench/, on a machine without a GPU",
+}
+"""The folders of tests/ that are not named after a folder of the package, and what each tests."""
 
 
 def _modules():
@@ -52,6 +66,34 @@ def _imported_parts(path: pathlib.Path) -> set[str]:
 def test_the_top_level_holds_few_loose_modules():
     loose = [p.name for p in PACKAGE.glob("*.py")]
     assert len(loose) <= MAX_LOOSE_MODULES, loose
+
+
+def _package_folders() -> set[str]:
+    return {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _test_folders() -> set[str]:
+    return {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+
+
+def test_the_top_level_of_tests_holds_few_test_files():
+    top = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_TEST_FILES, f"move a test of one folder's code to tests/<folder>/: {top}"
+
+
+def test_the_test_folders_mirror_the_package_folders():
+    folders, package = _test_folders(), _package_folders()
+    unexplained = folders - package - set(TEST_FOLDERS_BEYOND_THE_PACKAGE_FOLDERS)
+    assert not unexplained, (f"tests/{sorted(unexplained)} names no folder of dynaflow_fn/: rename it after the "
+                             "folder it tests, or add it to TEST_FOLDERS_BEYOND_THE_PACKAGE_FOLDERS with what it tests")
+    assert not package - folders, f"no tests/ folder for the package folders {sorted(package - folders)}"
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """tests/ and its folders are not packages: pytest imports every test module (and `from fixtures
+    import ...`) by its file name alone, so two test files of one name would clash."""
+    counts = collections.Counter(p.name for p in TESTS.rglob("test_*.py"))
+    assert not [name for name, count in counts.items() if count > 1], counts.most_common(3)
 
 
 @pytest.mark.parametrize("path", [p for p in _modules() if _part(p) in STAGES],

@@ -3,14 +3,13 @@ inputs go through static buffers and replays are asynchronous. Eager CUDA may pi
 plan (cuDNN batch norm, for one), so results are compared within float32 tolerance: a stale weight, a
 wrong mode or another thread's input would be off by far more. Skipped where there is no CUDA device."""
 
-import threading
-
 import optree
 import pytest
 import torch
 from torch import nn
 
 import dynaflow_fn as df
+from fixtures import run_together
 from models import DropoutNet
 
 pytestmark = pytest.mark.cuda
@@ -51,30 +50,20 @@ def test_threads_on_one_graph_get_their_own_results():
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).cuda().eval()
     fn, params = df.pure(model)
     fast = df.jit(fn)
-    start = threading.Barrier(4)
-    wrong, errors = [], []
+    wrong = []
 
-    def work(seed, own_stream):
+    def work(seed):
         generator = torch.Generator(device="cuda").manual_seed(seed)
-        stream = torch.cuda.Stream() if own_stream else torch.cuda.current_stream()
-        try:
-            start.wait()
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(50):
-                    x = torch.randn(64, 256, device="cuda", generator=generator)
-                    y = fast(params, x)
-                    if not torch.allclose(y, model(x), rtol=1e-4, atol=1e-4):
-                        wrong.append(seed)
-            stream.synchronize()
-        except Exception as error:                                    # noqa: BLE001 - reported below
-            errors.append(error)
+        stream = torch.cuda.Stream() if seed % 2 else torch.cuda.current_stream()     # odd threads: their own
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(50):
+                x = torch.randn(64, 256, device="cuda", generator=generator)
+                y = fast(params, x)
+                if not torch.allclose(y, model(x), rtol=1e-4, atol=1e-4):
+                    wrong.append(seed)
+        stream.synchronize()
 
-    threads = [threading.Thread(target=work, args=(seed, seed % 2 == 1)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_together(work, threads=4)
     assert not wrong, f"wrong results in threads {sorted(set(wrong))}"
     assert fast.cache_info().captures == 1
 

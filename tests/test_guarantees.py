@@ -15,6 +15,8 @@ from torch import nn
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.errors import GradientError
+from dynaflow_fn.ir.program import info
+from fixtures import run_together
 from models import DropoutNet
 
 
@@ -333,27 +335,18 @@ def test_threads_calling_one_jitted_function_get_their_own_results():
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).eval()
     fn, params = df.pure(model)
     fast = df.jit(fn)
-    start = threading.Barrier(4)
-    wrong, errors = [], []
+    wrong = []
 
     def work(seed):
         generator = torch.Generator().manual_seed(seed)
-        try:
-            start.wait()                                             # the first calls race too
-            for _ in range(40):
-                x = torch.randn(16, 64, generator=generator)
-                with torch.no_grad():
-                    if not torch.equal(fast(params, x), model(x)):
-                        wrong.append(seed)
-        except Exception as error:                                   # noqa: BLE001 - reported below
-            errors.append(error)
+        for _ in range(40):                                          # the first calls race too
+            x = torch.randn(16, 64, generator=generator)
+            with torch.no_grad():
+                if not torch.equal(fast(params, x), model(x)):
+                    wrong.append(seed)
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and not wrong
+    run_together(work, threads=4)
+    assert not wrong, f"wrong results in threads {sorted(set(wrong))}"
     assert fast.cache_info().misses == 1
 
 
@@ -375,8 +368,9 @@ def test_tracing_ignores_module_calls_of_other_threads():
         stop.set()
         thread.join()
     for program in programs:
-        seen = {s.module_type for n in program.ops() for s in n.meta["df"].scopes if s.kind == "module"}
+        seen = {s.module_type for n in program.ops() for s in info(n).scopes if s.kind == "module"}
         assert seen == {DropoutNet, nn.Linear, nn.BatchNorm1d}         # eval-mode dropout adds no op
+        assert [info(n).scopes for n in program.ops()] == [info(n).scopes for n in programs[0].ops()]
 
 
 # --- aliased arguments ------------------------------------------------------------------------------------

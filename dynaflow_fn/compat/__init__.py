@@ -3,9 +3,10 @@
 dynaflow_fn supports every PyTorch from 2.11 to the newest release. Private names move between
 releases (2.14 made the fx-tracing flag thread-local, for one), so no other module touches them:
 each entry below says what it is for, uses the public API where one exists, and falls back to
-something correct (if slower or less precise) when the internal is missing. tests/test_compat.py
-runs every entry, and every fallback. Tracing on fake tensors lives in `compat.tracing`, operator
-and storage facts in `compat.operators`; every entry is imported from `dynaflow_fn.compat`.
+something correct (if slower or less precise) when the internal is missing.
+tests/compat/test_compat.py runs every entry, and every fallback. Tracing on fake tensors lives in
+`compat.tracing`, operator and storage facts in `compat.operators`; every entry is imported from
+`dynaflow_fn.compat`.
 """
 
 from __future__ import annotations

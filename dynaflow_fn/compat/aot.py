@@ -3,7 +3,7 @@
 df.compile_backend trains through AOTAutograd, the part of torch.compile that splits a Dynamo graph
 into a forward and a backward aten graph, as torch's own backends do, and reads Dynamo's symbolic
 sizes; none of it has a public home. Each entry falls back to something correct where the internal
-is gone (tests/test_compat.py runs both).
+is gone (tests/compat/test_compat.py runs both).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ never changed by the functional updates that build new ones."""
 
 import re
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
@@ -47,16 +48,26 @@ def test_a_module_program_prints_its_module_scopes_and_equals_the_module():
     torch.testing.assert_close(program(params, fresh), model(fresh))
 
 
-def test_an_argument_of_many_tensors_prints_as_one_summary_line():
-    sizes = (8,) * (SUMMARIZED_ARGUMENT_TENSORS // 2 + 2)
-    fn, params = df.pure(MLP(sizes))
-    program = df.trace(fn, params, torch.randn(3, 8))
-    count = len(params)
-    assert count > SUMMARIZED_ARGUMENT_TENSORS
-    signature = str(program).split("):")[0]
-    assert f"params: {count} tensors" in signature
-    assert "x: f32[3, 8]" in signature
+def test_an_argument_of_many_tensors_prints_as_one_summary_line_above_the_ops():
+    sizes = (32,) + (48,) * (SUMMARIZED_ARGUMENT_TENSORS // 2 + 1) + (16,)
+    fn, params = df.pure(MLP(sizes=sizes))
+    assert len(params) > SUMMARIZED_ARGUMENT_TENSORS
+    x = torch.randn(4, 32)
+    program = df.trace(fn, params, x)
     _assert_printed_fully(program)
+    placeholders = [p.name for p in program.placeholders() if p.name != "x"]
+    lines = str(program).splitlines()
+    end = lines.index("):")
+    assert lines[1:end] == ["def MLP(", lines[2], "    x: f32[4, 32],"]
+    summary = re.fullmatch(r"    params: (\d+) tensors \((\w+) \.\.\. (\w+)\), ([\d.]+)k f32 elements,", lines[2])
+    assert summary, lines[2]
+    assert (int(summary[1]), summary[2], summary[3]) == (len(params), placeholders[0], placeholders[-1])
+    assert float(summary[4]) * 1e3 == pytest.approx(sum(p.numel() for p in params.values()), rel=5e-3)
+    assert lines[end + 1].lstrip().startswith(program.ops()[0].name + ":")   # the body starts right below
+
+    fewer_params = dict(list(params.items())[:SUMMARIZED_ARGUMENT_TENSORS])   # at most that many: each with its type
+    text = str(df.trace(lambda p, x: x @ p["layers.0.weight"].t(), fewer_params, x))
+    assert "layers_0_weight: f32[48, 32]" in text and "tensors" not in text
 
 
 def test_static_and_closed_over_values_appear_in_the_header():

@@ -5,6 +5,7 @@ on random happens-before orders; and reuse keeps a chain's arena near its peak o
 from collections import defaultdict
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,8 @@ import dynaflow_fn as df
 from dynaflow_fn.lowering import memory
 from dynaflow_fn.plan.ordering import Clocks
 from dynaflow_fn.plan.plan import StorageKind
-from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled, step_lists
+from fixtures import RandomScheduler, build, example_inputs, plan_of, recipes, scheduled, step_lists
+from models import Block, llama_logits, tiny_llama
 
 
 def _ordered(clocks, first, second):
@@ -41,10 +43,18 @@ def test_buffers_sharing_bytes_are_never_in_use_together(recipe, seed, streams, 
     inputs, fn = build(recipe)
     step = scheduled(fn, RandomScheduler(seed, streams), inputs, micro_batches)
     args = example_inputs(inputs)
-    plan = df.verify(df.lower(df.trace(step, *args)))
+    plan = plan_of(step, *args)
     _assert_shared_bytes_are_ordered(plan)
     for got, expected in zip(df.jit(step, backend="eager")(*args), fn(*args)):
         torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("make", [lambda: (*df.pure(Block()), torch.randn(2, 8, 32)),
+                                  lambda: (*llama_logits(tiny_llama()), torch.randint(0, 128, (2, 8)))],
+                         ids=["block", "llama"])
+def test_buffers_of_real_models_sharing_bytes_are_never_in_use_together(make):
+    fn, params, x = make()
+    _assert_shared_bytes_are_ordered(plan_of(fn, params, x))
 
 
 @settings(max_examples=80, deadline=None)
@@ -74,7 +84,7 @@ def test_a_chain_reuses_memory_so_the_arena_holds_two_buffers_not_all():
         return x
 
     x = torch.randn(64, 64)
-    plan = df.lower(df.trace(chain, x))
+    plan = plan_of(chain, x)
     buffer = memory.align(x.numel() * x.element_size())
     arena = [s for s in plan.storages if s.kind is StorageKind.ARENA]
     assert len(arena) >= 8

@@ -5,6 +5,7 @@ so compute what eager PyTorch computes."""
 import operator
 
 import optree
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -100,18 +101,21 @@ def test_an_argument_read_later_is_not_overwritten():
     torch.testing.assert_close(got, expected)
 
 
-def test_inputs_that_are_not_donated_are_never_overwritten():
-    def update(p, g):
-        return p * 0.9 - g * 0.1
-
-    p, g = torch.randn(16), torch.randn(16)
-    before = p.clone()
+@pytest.mark.parametrize("update", [
+    lambda p, g: (p * 0.9 - g * 0.1).exp().relu(),
+    lambda p, g: ((p.clamp(-1, 1).relu_() @ g).exp(), g.T),    # an inplace op on an intermediate; an input's view
+], ids=["chain", "inplace-op-and-a-view"])
+def test_dead_intermediates_are_reinplaced_and_inputs_not_donated_never_overwritten(update):
+    p, g = torch.randn(4, 4), torch.randn(4, 4)
+    before = p.clone(), g.clone()
     fast = df.jit(update)
     plan = fast.lower(p, g)
+    reinplaced = [step for step in plan.steps if step.note == "reinplaced"]
+    assert reinplaced and all(step.kind is StepKind.KERNEL for step in reinplaced)
     assert plan.written_inputs() == []
     _assert_old_values_are_dead(fast.trace(p, g), plan)
-    torch.testing.assert_close(fast(p, g), update(before, g))
-    assert torch.equal(p, before)
+    torch.testing.assert_close(fast(p, g), update(*(t.clone() for t in before)))
+    assert torch.equal(p, before[0]) and torch.equal(g, before[1])
 
 
 def test_inplace_variants_mirror_the_functional_schema():

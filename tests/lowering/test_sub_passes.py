@@ -14,6 +14,7 @@ from dynaflow_fn.errors import InternalError
 from dynaflow_fn.lowering.donate_check import checked_donation
 from dynaflow_fn.lowering.draft import PlanDraft
 from dynaflow_fn.lowering.sub_pass import DRAFT_FIELDS, sub_pass
+from fixtures import plan_of
 from models import MLP
 
 lowering = importlib.import_module("dynaflow_fn.lowering.lower")
@@ -101,7 +102,7 @@ def test_an_order_that_reads_a_field_before_it_is_written_is_refused(monkeypatch
     monkeypatch.setattr(lowering, "SUB_PASSES", tuple(passes))
     fn, params = df.pure(MLP())
     with pytest.raises(InternalError, match="'reinplace' reads the draft's 'issue_order'"):
-        df.lower(df.trace(fn, params, torch.randn(4, 32)))
+        plan_of(fn, params, torch.randn(4, 32))
 
 
 def test_a_sub_pass_may_declare_only_fields_of_the_draft():

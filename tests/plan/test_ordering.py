@@ -6,10 +6,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dynaflow_fn as df
 from dynaflow_fn.plan.ordering import Clocks
 from dynaflow_fn.plan.plan import Step, StepKind
-from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled, step_lists
+from fixtures import RandomScheduler, build, example_inputs, plan_of, recipes, scheduled, step_lists
 
 
 def _reachability(steps):
@@ -65,7 +64,7 @@ def test_release_and_acquire_decide_whether_one_set_precedes_another(plan, data)
 @given(recipe=recipes(max_ops=8), seed=st.integers(0, 2**16), streams=st.integers(2, 3))
 def test_clocks_of_lowered_plans_match_their_events(recipe, seed, streams):
     inputs, fn = build(recipe)
-    plan = df.verify(df.lower(df.trace(scheduled(fn, RandomScheduler(seed, streams), inputs), *example_inputs(inputs))))
+    plan = plan_of(scheduled(fn, RandomScheduler(seed, streams), inputs), *example_inputs(inputs))
     _assert_clocks_match(list(plan.steps), len(plan.streams))
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import dynaflow_fn as df
 from dynaflow_fn.plan.plan import Layout, Ref, StepKind, StorageKind, step_reads, step_writes
-from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled
+from fixtures import RandomScheduler, build, example_inputs, plan_of, recipes, scheduled
 from models import MLP
 
 
@@ -56,13 +56,13 @@ def _assert_consistent(plan):
 @given(recipe=recipes(), seed=st.integers(0, 2**16), streams=st.integers(1, 3))
 def test_steps_read_and_write_declared_slots_that_lie_inside_their_storages(recipe, seed, streams):
     inputs, fn = build(recipe)
-    plan = df.verify(df.lower(df.trace(scheduled(fn, RandomScheduler(seed, streams), inputs), *example_inputs(inputs))))
+    plan = plan_of(scheduled(fn, RandomScheduler(seed, streams), inputs), *example_inputs(inputs))
     _assert_consistent(plan)
 
 
 def test_a_model_plan_is_consistent_and_prints_every_step():
     fn, params = df.pure(MLP())
-    plan = df.lower(df.trace(fn, params, torch.randn(4, 32)))
+    plan = plan_of(fn, params, torch.randn(4, 32))
     _assert_consistent(plan)
     text = str(plan)
     assert f"# {len(plan.steps)} steps, {len(plan.kernel_steps())} launch kernels" in text
@@ -79,7 +79,7 @@ def test_step_kinds_summaries_and_written_inputs():
         x.add_(1)
         return torch.nn.functional.mse_loss(y, y * 2), x * 2
 
-    plan = df.lower(df.trace(fn, torch.randn(3), torch.randn(4)))
+    plan = plan_of(fn, torch.randn(3), torch.randn(4))
     _assert_consistent(plan)
     assert plan.written_inputs() == [0]
     assert plan.copy_steps() and all(s.kind is StepKind.COPY for s in plan.copy_steps())

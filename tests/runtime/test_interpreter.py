@@ -9,14 +9,14 @@ import dynaflow_fn as df
 from dynaflow_fn.plan.plan import StorageKind
 from dynaflow_fn.runtime.eager import EagerExecutable
 from dynaflow_fn.runtime.interpreter import BoundPlan
-from fixtures import RandomScheduler, build, flat_tensors, example_inputs, recipes, scheduled
+from fixtures import RandomScheduler, build, example_inputs, flat_tensors, plan_of, recipes, scheduled
 from models import MLP, Block, ConvNet
 
 CPU = torch.device("cpu")
 
 
 def _executable(fn, *args):
-    plan = df.verify(df.lower(df.trace(fn, *args)))
+    plan = plan_of(fn, *args)
     return plan, EagerExecutable(plan, CPU)
 
 
@@ -74,7 +74,7 @@ def test_setup_runs_once_when_bound_and_every_call_reads_its_result():
         positions = torch.arange(x.shape[-1], dtype=x.dtype)
         return x * positions.exp()
 
-    plan = df.lower(df.trace(fn, torch.randn(3, 6)))
+    plan = plan_of(fn, torch.randn(3, 6))
     assert plan.setup
     bound = BoundPlan(plan, CPU)
     setup_slots = [slot for step in plan.setup for slot in step.outputs]

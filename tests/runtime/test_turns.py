@@ -1,7 +1,6 @@
 """runtime/turns.py: calls of one executable take turns, so threads calling at once, which share its
 arena, each get exactly the result of their own inputs."""
 
-import threading
 import time
 
 import torch
@@ -9,30 +8,10 @@ import torch
 import dynaflow_fn as df
 from dynaflow_fn.runtime.eager import EagerExecutable
 from dynaflow_fn.runtime.turns import Turns
-from fixtures import flat_tensors
+from fixtures import flat_tensors, plan_of, run_together
 from models import MLP
 
 THREADS = 6
-
-
-def _run_together(work):
-    start = threading.Barrier(THREADS)
-    errors = []
-
-    def body(index):
-        start.wait()
-        try:
-            work(index)
-        except BaseException as error:  # reported below, in the test's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
 
 
 def test_only_one_call_is_inside_at_a_time():
@@ -47,7 +26,7 @@ def test_only_one_call_is_inside_at_a_time():
                 time.sleep(0.0005)
                 inside[0] -= 1
 
-    _run_together(work)
+    run_together(work, THREADS)
     assert most[0] == 1 and inside[0] == 0
     assert not turns.lock.locked()
 
@@ -66,7 +45,7 @@ def test_a_call_that_raises_gives_up_its_turn():
 def test_threads_calling_one_executable_get_exactly_their_own_results():
     model = MLP((64, 256, 256, 64))
     fn, params = df.pure(model)
-    plan = df.lower(df.trace(fn, params, torch.randn(32, 64)))
+    plan = plan_of(fn, params, torch.randn(32, 64))
     executable = EagerExecutable(plan, torch.device("cpu"))
     inputs = [torch.randn(32, 64) for _ in range(THREADS)]
     alone = [executable(flat_tensors(params, x))[0] for x in inputs]
@@ -78,24 +57,8 @@ def test_threads_calling_one_executable_get_exactly_their_own_results():
             if not torch.equal(got, alone[index]):
                 wrong.append(index)
 
-    _run_together(work)
+    run_together(work, THREADS)
     assert not wrong, f"wrong results in threads {sorted(set(wrong))}"
     for x, expected in zip(inputs, alone):
         torch.testing.assert_close(expected, model(x))
 
-
-def test_threads_calling_one_jitted_function_get_exactly_their_own_results():
-    model = MLP()
-    fn, params = df.pure(model)
-    fast = df.jit(fn, backend="eager")
-    inputs = [torch.randn(8, 32) for _ in range(THREADS)]
-    alone = [fast(params, x) for x in inputs]
-    results = [None] * THREADS
-
-    def work(index):
-        results[index] = [fast(params, inputs[index]) for _ in range(5)]
-
-    _run_together(work)
-    for index in range(THREADS):
-        assert all(torch.equal(got, alone[index]) for got in results[index]), index
-        torch.testing.assert_close(alone[index], model(inputs[index]))

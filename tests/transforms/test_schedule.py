@@ -11,7 +11,7 @@ import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.ir.program import info
 from dynaflow_fn.transforms.schedule import STRATEGIES, StageGraph, resolve
-from fixtures import EachNode, build, example_inputs, recipes
+from fixtures import EachNode, build, example_inputs, plan_of, recipes
 from models import Block, TwoBranch
 
 
@@ -55,7 +55,7 @@ def test_plans_of_every_strategy_verify_and_equal_eager(strategy):
     step = T.overlap(T.partition(T.microbatch(fn, num=2, in_axes=(None, 0)), rules=[T.Region("attn")]),
                      strategy=strategy)
     x = torch.randn(4, 8, 32)
-    first, second = df.lower(df.trace(step, params, x)), df.lower(df.trace(step, params, x))
+    first, second = plan_of(step, params, x), plan_of(step, params, x)
     df.verify(first)
     assert str(first) == str(second)
     fresh = torch.randn(4, 8, 32)

@@ -9,14 +9,18 @@ import torch
 from torch import nn
 
 import dynaflow_fn as df
+from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
 from dynaflow_fn.transforms import microbatch_body
 from models import MLP, Block, ConvNet, TwoBranch, llama_logits, tiny_llama
 
 
-def _all_ways(step, *args):
-    """The micro-batched function called eagerly, through its traced Program, and jitted."""
-    return {"eager": step(*args), "program": df.trace(step, *args)(*args), "jit": df.jit(step)(*args)}
+def _assert_equals_the_unsplit_function(fn, step, *args):
+    """df.jit(step) equals step called eagerly bit for bit and fn itself, on fresh inputs of the edge
+    batch sizes (dft.assert_equivalent), and so does calling step's traced Program."""
+    dft.assert_equivalent(fn, step, *args)
+    problem = dft.first_difference(df.trace(step, *args)(*args), fn(*args), exact=False)
+    assert problem is None, f"the traced Program differs from fn: {problem}"
 
 
 def _microbatch_warnings(record):
@@ -57,9 +61,8 @@ def test_a_parameter_is_split_when_in_axes_reaches_its_own_leaf():
     params = {"scale": nn.Parameter(torch.randn(6, 3)), "w": nn.Parameter(torch.randn(3, 3))}
     x = torch.randn(6, 3)
     with torch.no_grad():
-        expected = scaled(params, x)
-        for name, got in _all_ways(T.microbatch(scaled, num=2, in_axes=({"scale": 0, "w": None}, 0)), params, x).items():
-            torch.testing.assert_close(got, expected, msg=name)
+        _assert_equals_the_unsplit_function(scaled, T.microbatch(scaled, num=2, in_axes=({"scale": 0, "w": None}, 0)),
+                                            params, x)
     with pytest.raises(df.TransformError, match=r"in_axes=\(0, 0\) splits params\['scale'\].*pass in_axes=\(None, 0\)"):
         T.microbatch(scaled, num=2, in_axes=(0, 0))(params, x)
 
@@ -110,24 +113,14 @@ def test_outputs_that_read_no_split_input_equal_the_unsplit_value(batch):
     w, x = torch.randn(5, 3), torch.randn(batch, 5)
     step = T.microbatch(f, num=3, in_axes=(None, 0),
                         out_axes={"rows": 0, "double": 0, "total": "sum", "norm": "mean", "zeros": 0})
-    expected = f(w, x)
-    ways = _all_ways(step, w, x)
-    for name, got in ways.items():
-        for key in expected:
-            torch.testing.assert_close(got[key], expected[key], msg=f"{name} {key}")
-    for key in expected:
-        torch.testing.assert_close(ways["jit"][key], ways["eager"][key], rtol=0, atol=0)
+    _assert_equals_the_unsplit_function(f, step, w, x)
 
 
 def test_outputs_built_from_the_batch_size_are_merged_as_batch_outputs():
     def f(x):
         return torch.ones(x.shape[0]), torch.tensor(float(x.shape[0])), torch.zeros_like(x)
 
-    x = torch.randn(6, 2)
-    expected = f(x)
-    for name, got in _all_ways(T.microbatch(f, num=3, out_axes=(0, "sum", 0)), x).items():
-        for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, msg=name)
+    _assert_equals_the_unsplit_function(f, T.microbatch(f, num=3, out_axes=(0, "sum", 0)), torch.randn(6, 2))
 
 
 def test_a_micro_batched_function_inside_a_traced_function_merges_the_same_way():
@@ -282,7 +275,8 @@ def test_gradient_accumulation_with_a_mean_loss_does_not_warn():
         torch.testing.assert_close(grads[name], full_grads[name])
 
 
-def test_mse_gradient_accumulation_does_not_warn(no_microbatch_warnings):
+@pytest.mark.parametrize("batch", [8, 7])
+def test_mse_gradient_accumulation_equals_the_full_batch_gradients_and_does_not_warn(batch, no_microbatch_warnings):
     fn, params = df.pure(MLP())
     params = {k: v.detach() for k, v in params.items()}
 
@@ -290,7 +284,12 @@ def test_mse_gradient_accumulation_does_not_warn(no_microbatch_warnings):
         return nn.functional.mse_loss(fn(params, x), y)
 
     step = T.microbatch(df.value_and_grad(loss_fn), num=4, in_axes=(None, 0, 0), out_axes="mean")
-    df.trace(step, params, torch.randn(8, 32), torch.randn(8, 16))
+    x, y = torch.randn(batch, 32), torch.randn(batch, 16)
+    loss, grads = df.jit(step)(params, x, y)
+    full_loss, full_grads = df.value_and_grad(loss_fn)(params, x, y)
+    torch.testing.assert_close(loss, full_loss)
+    for name in full_grads:
+        torch.testing.assert_close(grads[name], full_grads[name])
 
 
 @pytest.mark.parametrize("name", ["mlp", "block", "two-branch", "llama"])

@@ -67,9 +67,38 @@ def _spawn(task, world=2):
     return [results[r] for r in range(world)]
 
 
+def _payloads(task, world=2):
+    """What `task` returned on each rank, after checking that no rank raised."""
+    results = _spawn(task, world)
+    assert all(ok for ok, _ in results), [payload for ok, payload in results if not ok]
+    return [payload for _, payload in results]
+
+
+def _distributed_error(call) -> str:
+    """The message of the DistributedError that call() raises on this rank, or "no error"."""
+    try:
+        call()
+    except df.distributed.DistributedError as error:
+        return str(error)
+    return "no error"
+
+
 def _weights():
     generator = torch.Generator().manual_seed(0)
     return torch.randn(16, 64, generator=generator), torch.randn(64, 16, generator=generator)
+
+
+def _sharded_example():
+    """(x, w1, w2): the same input on every rank, and this rank's column and row shards of the weights."""
+    w1, w2 = _weights()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    return x, df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
+
+
+def _one_process_result():
+    """What the tensor-parallel MLP computes on `_sharded_example()`, on one process with the whole weights."""
+    w1, w2 = _weights()
+    return F.gelu(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ w1) @ w2
 
 
 def _tensor_parallel_mlp(x, w1, w2):
@@ -82,9 +111,7 @@ def _plan_fingerprint(plan):
 
 
 def _same_plan_and_result(rank, world):
-    w1, w2 = _weights()
-    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    x, w1, w2 = _sharded_example()
     step = T.overlap(T.microbatch(_tensor_parallel_mlp, num=2, in_axes=(0, None, None)), strategy="roundrobin")
     fast = df.jit(step)
     out = fast(x, w1, w2)
@@ -94,22 +121,16 @@ def _same_plan_and_result(rank, world):
 
 @pytest.mark.slow
 def test_every_rank_builds_the_same_plan_and_matches_one_process():
-    results = _spawn(_same_plan_and_result)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    (fingerprint0, out0, streams), (fingerprint1, out1, _) = (p for _, p in results)
+    (fingerprint0, out0, streams), (fingerprint1, out1, _) = _payloads(_same_plan_and_result)
     assert fingerprint0 == fingerprint1
     assert any("comm" in s for s in streams)
-    w1, w2 = _weights()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    expected = F.gelu(x @ w1) @ w2
+    expected = _one_process_result()
     torch.testing.assert_close(torch.from_numpy(out0), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.from_numpy(out1), expected, rtol=1e-5, atol=1e-5)
 
 
 def _on_a_dedicated_communicator(rank, world):
-    w1, w2 = _weights()
-    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    x, w1, w2 = _sharded_example()
     step = T.overlap(T.microbatch(_tensor_parallel_mlp, num=2, in_axes=(0, None, None)), "roundrobin", comm_ctas=4)
     fast = df.jit(step)
     out = fast(x, w1, w2)
@@ -136,20 +157,15 @@ def _carveouts_match_concurrency(plan):
 
 @pytest.mark.slow
 def test_comm_ctas_moves_collectives_to_a_dedicated_communicator_and_leaves_them_sms():
-    results = _spawn(_on_a_dedicated_communicator)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    w1, w2 = _weights()
-    expected = F.gelu(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ w1) @ w2
-    for groups, world_name, dedicated_name, out, (carveouts_ok, marked) in (p for _, p in results):
+    expected = _one_process_result()
+    for groups, world_name, dedicated_name, out, (carveouts_ok, marked) in _payloads(_on_a_dedicated_communicator):
         assert groups == {dedicated_name} and dedicated_name != world_name
         assert carveouts_ok and marked > 0
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-5)
 
 
 def _inductor_around_collectives(rank, world):
-    w1, w2 = _weights()
-    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    x, w1, w2 = _sharded_example()
     step = T.overlap(T.microbatch(_tensor_parallel_mlp, num=2, in_axes=(0, None, None)), strategy="roundrobin")
     fast = df.jit(step, backend="inductor", progress=False)
     out = fast(x, w1, w2)
@@ -160,11 +176,8 @@ def _inductor_around_collectives(rank, world):
 
 @pytest.mark.slow
 def test_inductor_compiles_around_collectives_on_every_rank():
-    results = _spawn(_inductor_around_collectives)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    w1, w2 = _weights()
-    expected = F.gelu(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) @ w1) @ w2
-    (kinds0, out0), (kinds1, out1) = (p for _, p in results)
+    (kinds0, out0), (kinds1, out1) = _payloads(_inductor_around_collectives)
+    expected = _one_process_result()
     assert kinds0 == kinds1
     assert kinds0.count("_c10d_functional.all_reduce_.default") == 2 and "CompiledRun" in kinds0
     for out in (out0, out1):
@@ -198,9 +211,7 @@ def _every_collective(rank, world):
 
 @pytest.mark.slow
 def test_every_functional_collective_runs_on_the_comm_stream_and_equals_eager():
-    results = _spawn(_every_collective)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    for placed, comm, outs, expected in (p for _, p in results):
+    for placed, comm, outs, expected in _payloads(_every_collective):
         assert set(placed) == {"all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor"}
         assert all(kind == "comm" and stream == comm for kind, stream in placed.values())
         for out, reference in zip(outs, expected):
@@ -208,37 +219,24 @@ def test_every_functional_collective_runs_on_the_comm_stream_and_equals_eager():
 
 
 def _mismatched_shapes(rank, world):
-    w1, w2 = _weights()
-    x = torch.randn(4 + 2 * rank, 16)
-    try:
-        df.jit(_tensor_parallel_mlp)(x, df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0))
-    except df.distributed.DistributedError as error:
-        return str(error)
-    return "no error"
+    _, w1, w2 = _sharded_example()
+    return _distributed_error(lambda: df.jit(_tensor_parallel_mlp)(torch.randn(4 + 2 * rank, 16), w1, w2))
 
 
 @pytest.mark.slow
 def test_mismatched_collective_shapes_are_an_error_naming_the_collective():
-    results = _spawn(_mismatched_shapes)
-    messages = [payload for ok, payload in results]
-    assert all(ok for ok, _ in results), messages
+    messages = _payloads(_mismatched_shapes)
     assert all("collective #0 differs" in m and "_c10d_functional.all_reduce" in m for m in messages), messages
 
 
 def _different_reduce_ops(rank, world):
     op = "sum" if rank == 0 else "avg"
-    try:
-        df.jit(lambda x: df.distributed.all_reduce(x * 2, op=op))(torch.randn(4, 16))
-    except df.distributed.DistributedError as error:
-        return str(error)
-    return "no error"
+    return _distributed_error(lambda: df.jit(lambda x: df.distributed.all_reduce(x * 2, op=op))(torch.randn(4, 16)))
 
 
 @pytest.mark.slow
 def test_collectives_that_differ_in_a_non_tensor_argument_show_the_argument():
-    results = _spawn(_different_reduce_ops)
-    assert all(ok for ok, _ in results), results
-    (_, on_rank_0), (_, on_rank_1) = results
+    on_rank_0, on_rank_1 = _payloads(_different_reduce_ops)
     assert "reduce_op is 'sum' on rank 0 but 'avg' on rank 1" in on_rank_0, on_rank_0
     assert "reduce_op is 'avg' on rank 1 but 'sum' on rank 0" in on_rank_1, on_rank_1
 
@@ -253,12 +251,11 @@ def _smaller_last_batch_on_rank_0(rank, world):
         return params, state, loss
 
     step = df.jit(train_step, donate_argnums=(0, 1))
-    for rows in (4, 3 if rank == 0 else 4):
-        try:
-            params, state, _ = step(params, state, torch.randn(rows, 32), torch.randn(rows, 16))
-        except df.distributed.DistributedError as error:
-            return str(error)
-    return "no error"
+
+    def two_steps():
+        for rows in (4, 3 if rank == 0 else 4):
+            step(params, state, torch.randn(rows, 32), torch.randn(rows, 16))
+    return _distributed_error(two_steps)
 
 
 @pytest.mark.slow
@@ -276,14 +273,9 @@ def test_a_rank_that_retraces_alone_is_told_which_argument_differs():
 def _one_rank_missing(rank, world):
     if rank == 1:
         return "skipped"
-    w1, w2 = _weights()
-    plan = df.jit(_tensor_parallel_mlp).lower(torch.randn(4, 16), df.distributed.shard(w1, dim=1),
-                                              df.distributed.shard(w2, dim=0))
-    try:
-        df.distributed.check_consistent(plan, timeout=3)
-    except df.distributed.DistributedError as error:
-        return str(error)
-    return "no error"
+    _, w1, w2 = _sharded_example()
+    plan = df.jit(_tensor_parallel_mlp).lower(torch.randn(4, 16), w1, w2)
+    return _distributed_error(lambda: df.distributed.check_consistent(plan, timeout=3))
 
 
 @pytest.mark.slow
@@ -335,9 +327,7 @@ def _data_parallel_steps(rank, world):
 
 @pytest.mark.slow
 def test_data_parallel_step_equals_the_full_batch_step():
-    results = _spawn(_data_parallel_steps)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    (params0, losses0, buckets, comm_streams), (params1, losses1, _, _) = (p for _, p in results)
+    (params0, losses0, buckets, comm_streams), (params1, losses1, _, _) = _payloads(_data_parallel_steps)
     assert buckets > 2 and comm_streams != [0]
     fn, params, optimizer, state = _mlp_training()
     generator = torch.Generator().manual_seed(1)
@@ -361,8 +351,7 @@ def _bucket_sizes(rank, world):
 
 @pytest.mark.slow
 def test_average_fills_buckets_in_the_order_a_backward_pass_produces_gradients():
-    (ok, sizes), = _spawn(_bucket_sizes, world=1)
-    assert ok, sizes
+    sizes, = _payloads(_bucket_sizes, world=1)
     assert sizes == list(range(12, 0, -1))      # last inserted first, not last in sorted key order
 
 
@@ -378,10 +367,9 @@ def _tp_example(rank, world):
 
 @pytest.mark.slow
 def test_tensor_parallel_example_matches_one_device():
-    results = _spawn(_tp_example)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    assert all(error < 1e-5 for _, (error, _) in results), results
-    printed = results[0][1][1]
+    results = _payloads(_tp_example)
+    assert all(error < 1e-5 for error, _ in results), results
+    printed = results[0][1]
     assert "plan verified race-free" in printed and "<Plan" not in printed, printed
 
 
@@ -415,9 +403,7 @@ def _auto_on_two_ranks(rank, world):
         return {name: (1.0 if name == preferred else 10.0) for name in names}
 
     autotune.measure = measure
-    w1, w2 = _weights()
-    w1, w2 = df.distributed.shard(w1, dim=1), df.distributed.shard(w2, dim=0)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    x, w1, w2 = _sharded_example()
     fast = df.jit(_tensor_parallel_mlp, strategy="auto", in_axes=(0, None, None), progress=False)
     out = fast(x, w1, w2)
     (choice,) = fast.choices.values()
@@ -426,10 +412,6 @@ def _auto_on_two_ranks(rank, world):
 
 @pytest.mark.slow
 def test_auto_follows_rank_0_on_every_rank():
-    results = _spawn(_auto_on_two_ranks)
-    assert all(ok for ok, _ in results), [p for ok, p in results if not ok]
-    (choice0, out0), (choice1, out1) = (p for _, p in results)
+    (choice0, out0), (choice1, out1) = _payloads(_auto_on_two_ranks)
     assert choice0 == choice1 == "microbatch2-roundrobin"
-    w1, w2 = _weights()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(torch.from_numpy(out1), F.gelu(x @ w1) @ w2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(out1), _one_process_result(), rtol=1e-5, atol=1e-5)

@@ -62,12 +62,7 @@ def test_generate_on_cuda_captures_each_graph_once_over_32_steps():
     assert [g.cache_info().captures for g in backend.graphs] == [1] * len(backend.graphs)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Dynamo's caches are global and cap recompiles per code object: every test starts and leaves them empty."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")       # every test starts and leaves Dynamo's caches empty
 
 
 def _counting(backend):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
+from fixtures import training_step
 
 OPTIMIZERS = {
     "adamw": lambda: df.optim.adamw(lr=1e-2),
@@ -114,12 +115,7 @@ def test_parameters_must_be_tensors():
 def test_the_check_runs_inside_a_jitted_training_step(name):
     optimizer = OPTIMIZERS[name]()
     params = _params((4, 3))
-
-    def train_step(params, state, x, y):
-        loss, grads = df.value_and_grad(lambda p: F.mse_loss(x @ p["w"].t() + p["b"], y))(params)
-        params, state = optimizer.update(grads, state, params)
-        return params, state, loss
-
+    train_step = training_step(lambda p, x, y: F.mse_loss(x @ p["w"].t() + p["b"], y), optimizer)
     step = df.jit(train_step, donate_argnums=(0, 1))
     x, y = torch.randn(8, 3), torch.randn(8, 4)
     with pytest.raises(df.InputError, match=r"state\['\w+'\]\['w'\] is f32\[3, 4\]"):

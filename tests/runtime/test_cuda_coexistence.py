@@ -16,6 +16,7 @@ import dynaflow_fn as df
 from bench.llama_layers import LLAMA3_8B, Shape, decoder_layer, make_layer
 from bench.overhead import hand_graph
 from dynaflow_fn import transforms as T
+from fixtures import training_step
 from models import MLP, TwoBranch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
@@ -80,14 +81,7 @@ def test_graphs_of_every_kind_interleaved_with_other_graph_users():
     mlp_fn, mlp_params = df.pure(mlp)
     opt = df.optim.adamw(lr=1e-2)
 
-    def loss_fn(params, x, y):
-        return (mlp_fn(params, x) - y).square().mean()
-
-    def train_step(params, state, x, y):
-        loss, grads = df.value_and_grad(loss_fn)(params, x, y)
-        params, state = opt.update(grads, state, params)
-        return params, state, loss
-
+    train_step = training_step(lambda params, x, y: (mlp_fn(params, x) - y).square().mean(), opt)
     train_params = {k: v.detach().clone() for k, v in mlp_params.items()}
     train_state = opt.init(train_params)
     eager_params = {k: v.clone() for k, v in train_params.items()}

@@ -6,6 +6,7 @@ import torch
 import dynaflow_fn as df
 from dynaflow_fn.passes import inductor
 from dynaflow_fn import transforms as T
+from fixtures import training_step
 from models import MLP, Block, llama_logits, tiny_llama
 
 
@@ -131,12 +132,7 @@ def test_train_step_keeps_the_optimizer_update_in_place_on_donated_state():
     fn, params = df.pure(MLP())
     params = {k: v.detach().clone() for k, v in params.items()}
     optimizer = df.optim.adamw(lr=1e-2)
-
-    def train_step(params, state, x, y):
-        loss, grads = df.value_and_grad(lambda p: ((fn(p, x) - y) ** 2).mean())(params)
-        params, state = optimizer.update(grads, state, params)
-        return params, state, loss
-
+    train_step = training_step(lambda p, x, y: ((fn(p, x) - y) ** 2).mean(), optimizer)
     reference_params = {k: v.clone() for k, v in params.items()}
     reference_state = optimizer.init(reference_params)
     state = optimizer.init(params)

@@ -45,7 +45,3 @@ def test_missing_param_is_an_error():
     with pytest.raises(RuntimeError, match="layers.0.bias"):
         fn(params, torch.randn(2, 32))
 
-
-def test_pure_rejects_non_modules():
-    with pytest.raises(df.InputError, match="nn.Module"):
-        df.pure(lambda x: x)

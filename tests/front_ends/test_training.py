@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
-from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import StepKind
 from example_loader import load_example
+from fixtures import plan_of, training_step
 from models import MLP, llama_logits, tiny_llama
 
 
@@ -73,18 +73,6 @@ def test_grad_and_aux():
     torch.testing.assert_close(grads, 2 * x.T @ (x @ w) / 15)
 
 
-@pytest.mark.parametrize("batch", [8, 7])
-def test_accumulated_gradients_equal_full_batch_gradients(batch):
-    model, loss_fn, params = _mlp_loss()
-    accumulate = T.microbatch(df.value_and_grad(loss_fn), num=4, in_axes=(None, 0, 0), out_axes="mean")
-    x, y = torch.randn(batch, 32), torch.randn(batch, 16)
-    loss, grads = df.jit(accumulate)(params, x, y)
-    full_loss, full_grads = df.value_and_grad(loss_fn)(params, x, y)
-    torch.testing.assert_close(loss, full_loss)
-    for name in full_grads:
-        torch.testing.assert_close(grads[name], full_grads[name])
-
-
 @pytest.mark.parametrize("name, make, reference", [
     ("adamw", lambda: df.optim.adamw(lr=1e-2, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
     ("sgd", lambda: df.optim.sgd(lr=1e-2, momentum=0.9, weight_decay=1e-3),
@@ -96,13 +84,7 @@ def test_jitted_train_step_matches_torch_optim_and_updates_in_place(name, make, 
     model, loss_fn, params = _mlp_loss()
     optimizer = make()
     state = optimizer.init(params)
-
-    def train_step(params, state, x, y):
-        loss, grads = df.value_and_grad(loss_fn)(params, x, y)
-        params, state = optimizer.update(grads, state, params)
-        return params, state, loss
-
-    step = df.jit(train_step, donate_argnums=(0, 1))
+    step = df.jit(training_step(loss_fn, optimizer), donate_argnums=(0, 1))
     torch_optimizer = reference(model.parameters())
     originals = dict(params)
     for _ in range(4):
@@ -148,7 +130,7 @@ def test_changing_batch_shapes_warn_after_eight():
 
 
 def test_out_kernels_that_use_their_output_as_scratch_are_not_used():
-    plan = df.lower(df.trace(lambda a, b: F.mse_loss(a, b), torch.randn(8, 16), torch.randn(8, 16)))
+    plan = plan_of(lambda a, b: F.mse_loss(a, b), torch.randn(8, 16), torch.randn(8, 16))
     step = next(s for s in plan.steps if s.node == "mse_loss")
     assert step.kind is StepKind.ALLOC
 
@@ -164,7 +146,7 @@ def test_example_learns_to_copy_and_its_bar_leaves_a_line_in_a_log():
 
 
 def test_example_writes_its_plot_into_a_folder_git_ignores():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
         pytest.skip("not a git checkout")
     default = inspect.signature(load_example("train_tiny_llama").train).parameters["plot"].default

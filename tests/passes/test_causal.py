@@ -28,7 +28,7 @@ def test_transformers_llama_runs_its_causal_mask_as_is_causal():
 
 
 def test_the_backward_pass_of_transformers_llama_uses_the_causal_kernel_too():
-    """Its gradients are checked against autograd in test_training (df.jit applies this pass)."""
+    """Its gradients are checked against autograd in tests/front_ends/test_training.py (df.jit applies this pass)."""
     fn, params = llama_logits(tiny_llama())
     ids = torch.randint(0, 128, (2, 12))
 
