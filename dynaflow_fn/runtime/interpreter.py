@@ -186,14 +186,15 @@ class BoundPlan:
 
     def packed_outputs(self, extra: Sequence[Storage] = ()) -> tuple[dict[int, int], int]:
         """Byte offsets of the output storages (and `extra` ones) packed into one buffer, by storage
-        index, and the buffer's size."""
+        index, and the buffer's size: a multiple of the alignment, so that views of any dtype fit."""
+        aligned = lambda nbytes: -(-nbytes // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT   # noqa: E731
         offsets: dict[int, int] = {}
         end = 0
         for storage in [s for _, s in self.output_slots] + list(extra):
             if storage.index not in offsets:
-                offsets[storage.index] = -(-end // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT
+                offsets[storage.index] = aligned(end)
                 end = offsets[storage.index] + storage.nbytes
-        return offsets, end
+        return offsets, aligned(end)
 
     def run(self, env: Env, streams: Sequence[torch.cuda.Stream] | None = None,
             events: Sequence[torch.cuda.Event] | None = None) -> None:

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import dynaflow_fn as df
+from dynaflow_fn import compat
 from dynaflow_fn.jitting.buckets import SERVING_BUCKETS
+from dynaflow_fn.runtime.cudagraph import CudaGraphExecutable
+from dynaflow_fn.runtime.interpreter import BoundPlan
 from dynaflow_fn.runtime.shared_pool import SharedPool
 from models import MLP
 
@@ -43,6 +46,27 @@ def test_static_inputs_of_smaller_batches_are_views_of_the_first_where_the_layou
     assert all(t.untyped_storage().data_ptr() != shared for t in (wider, other_input, other_dtype))
 
 
+def test_an_executable_in_shared_memory_binds_every_output_in_the_shared_output_buffer():
+    """Binding only (capture needs CUDA): the outputs kernels write and the one an op allocates (a sum
+    without a fitting out= kernel, copied there at the end of the graph) each get bytes of their own in
+    the pool's output buffer, aligned."""
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    plan = df.jit(lambda w, x: (x @ w, w.sum(), x > 0), backend="eager").lower(w, x)
+    pool = SharedPool(CPU)
+    executable = object.__new__(CudaGraphExecutable)
+    executable.plan, executable.memory = plan, pool
+    executable.bound = BoundPlan(plan, CPU)
+    executable.env = executable.bound.new_env([w, x])
+    copied = executable._bind_outputs()
+    assert [slot for slot, _ in copied] == [plan.output_slots[1]]
+    outputs = [dict(copied).get(slot, executable.env[slot]) for slot in plan.output_slots]
+    assert [(t.shape, t.dtype) for t in outputs] == [((3, 4), torch.float32), ((), torch.float32), ((3, 4), torch.bool)]
+    shared = pool.buffer("outputs", 1)
+    starts = sorted(t.data_ptr() - shared.data_ptr() for t in outputs)
+    assert all(t.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr() for t in outputs)
+    assert starts == [0, 256, 512] and pool.shared_bytes >= 768
+
+
 # --- on a GPU ---------------------------------------------------------------------------------------
 
 
@@ -56,17 +80,22 @@ def _net():
     return net, params
 
 
+def _settled() -> tuple[int, int]:
+    """Memory allocated and reserved once nothing is pending: cuBLAS's workspaces of eager GEMMs (the
+    reference computations) released, the caching allocator's free blocks returned."""
+    torch.cuda.synchronize()
+    gc.collect()
+    compat.clear_cublas_workspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
 def _memory_held_by(build):
     """What `build()` leaves allocated and reserved on the device, and what it returns."""
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    allocated, reserved = _settled()
     kept = build()
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    return kept, torch.cuda.memory_allocated() - allocated, torch.cuda.memory_reserved() - reserved
+    allocated_after, reserved_after = _settled()
+    return kept, allocated_after - allocated, reserved_after - reserved
 
 
 @pytest.mark.cuda
