@@ -12,7 +12,8 @@ that share memory with one the plan writes, or backward through a plan's outputs
 The path of a call: `Jitted.__call__` flattens the arguments once; the last plan's `Guard` admits
 the call (`guard`), or the cache finds or builds a `Replayer` by the signature; a miss runs the
 `Pipeline` (trace -> passes -> lower -> verify) and binds the Plan to the call (`Binding`);
-`strategy="auto"` chooses among candidate functions (`autotune`).
+`strategy="auto"` chooses among candidate functions (`autotune`). With `buckets`, `bucketing` pads the
+call to its bucket first and gives each bucket the last plan it ran and one memory pool for all.
 
 Called while ops are traced or transformed (inside another jitted function, `df.trace`, `torch.func.vmap`
 or `torch.func.grad`), a jitted function runs its Python function, so that the trace or transform sees
@@ -34,8 +35,8 @@ from ..errors import ResidentInputMoved
 from ..ir.program import Program
 from ..ir.tree import Flat
 from ..plan.plan import Plan
-from . import autotune, methods
 from ..runtime.shared_pool import SharedPool
+from . import autotune, methods
 from .binding import Binding
 from .bucketing import Bucketing
 from .call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
