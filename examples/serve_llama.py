@@ -122,7 +122,8 @@ def chunk_inputs(request: Request | None, chunk: int, dummy: int, device: str) -
     ints = lambda values: torch.tensor(values, dtype=torch.long, device=device)   # noqa: E731
     return {"tokens": ints(tokens + [0] * (chunk - real)),
             "positions": ints([start + i if i < real else i for i in range(chunk)]),
-            "slots": ints([slot] * real + [dummy] * (chunk - real)), "slot": ints([slot]), "last": ints([max(real - 1, 0)])}
+            "slots": ints([slot] * real + [dummy] * (chunk - real)),
+            "slot": ints([slot]), "last": ints([max(real - 1, 0)])}
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor,
