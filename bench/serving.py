@@ -1,7 +1,8 @@
-"""Serving clients, side by side on one GPU: transformers' generate() with a static KV cache.
+"""Serving clients, side by side on one GPU: transformers' generate() with a static KV cache, a decode
+loop whose batch moves over 1..256, and the continuous-batching loop of examples/serve_llama.py.
 
-Each case generates greedily from a batch of prompts with `generation_config.cache_implementation =
-"static"`, and every variant runs the same generate() call:
+generate cases (`llama`, `qwen2`). Each case generates greedily from a batch of prompts with
+`generation_config.cache_implementation = "static"`, and every variant runs the same generate() call:
 
   eager          generate(..., disable_compile=True): the model's own PyTorch code
   hf-compile-ro  generate() as transformers runs it by default for a static cache: the forward compiled
@@ -15,21 +16,46 @@ Reported per variant: tokens/s (new tokens of the whole batch over the median ge
 and, for df, the CUDA-graph captures of all its graphs. Every variant's first-step logits are checked
 against eager's (relative error under MAX_REL_ERR, bf16), and its tokens compared.
 
-    python -m bench.serving [--cases llama qwen2] [--repeats 5]
+`decode-walk`: examples/serve_llama.py's model step (a 4-layer Llama-like model, bf16, decode tokens
+only: a one-token dummy chunk) over a static KV cache, at batch sizes drawn by a seeded random walk
+over 1..256 for 200 steps. Variants:
+
+  df-buckets     df.jit(step, buckets="serving", ...): 35 plans, one memory pool
+  df-exact       df.jit(step): a plan per batch size
+  compile-ro     torch.compile(step, mode="reduce-overhead", dynamic=False): a graph per batch size
+
+Reported: the first pass over every size 1..256 in seconds (planning, compiling and capturing
+included), steady tokens/s over the walk, CUDA graph captures, the memory the graphs hold (df's own
+count, and torch.cuda.memory_allocated / memory_reserved after minus before, caches emptied), and
+whether the walk's tokens equal eager's.
+
+`serve-llama`: examples/serve_llama.py's loop (its GPU model, fp32: the tokens are checked against
+transformers' generate) with the step under df.jit (decode and prefill attention on two streams, or
+one), against the same loop with the step under torch.compile(mode="reduce-overhead", dynamic=False)
+and its decode batch padded by hand to the same buckets. Reported: tokens/s of a second run over new
+requests (the first run plans and compiles), the first run's seconds, and requests whose tokens
+differ from generate()'s.
+
+    python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import random
 import statistics
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 import dynaflow_fn as df
+from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BucketTable
 
-from .common import print_table, relative_error, release, write_results
+from .common import mark_static, print_table, relative_error, release, write_results
 
 MAX_REL_ERR = 5e-2
 """bf16 logits of a random-weight model through 8-28 layers differ by 1e-2 to 3e-2 between kernel choices
@@ -131,22 +157,189 @@ def run_case(name: str, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="*", choices=sorted(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench.serving needs a CUDA device; skipped")
-        return
+# --- decode-walk: a decode loop whose batch moves over 1..256 ---------------------------------------
+
+DECODE_WALK, SERVE_LLAMA = "decode-walk", "serve-llama"
+WALK_MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=8)
+WALK_STEPS, WALK_LARGEST, WALK_POSITION = 200, 256, 512
+"""The walk's steps and largest batch, and the position every row decodes at (its cache holds that many tokens)."""
+
+
+def batch_walk(steps: int, largest: int, seed: int = 0) -> list[int]:
+    """Batch sizes of a seeded random walk over 1..largest, starting in the middle, moving up to 16 a step."""
+    walk, size, sizes = random.Random(seed), largest // 2, []
+    for _ in range(steps):
+        size = min(largest, max(1, size + walk.randint(-16, 16)))
+        sizes.append(size)
+    return sizes
+
+
+def serve_example() -> Any:
+    """examples/serve_llama.py as a module (the model step, KV cache and loop both cases run)."""
+    from examples import serve_llama
+
+    return serve_llama
+
+
+def walk_variants(serve: Any, model: torch.nn.Module, cache: Any) -> dict[str, Callable[..., Any]]:
+    def step(keys, values, decode, chunk):
+        return serve.model_step(model, keys, values, decode, chunk)
+
+    padded = {"tokens": 0, "positions": 0, "slots": cache.dummy}
+    return {"df-buckets": df.jit(step, buckets="serving", in_axes=(None, None, 0, None), out_axes=(0, None),
+                                 pad_value=(None, None, padded, None), progress=False),
+            "df-exact": df.jit(step, progress=False),
+            "compile-ro": torch.compile(step, mode="reduce-overhead", dynamic=False)}
+
+
+def held_memory_mb() -> tuple[float, float]:
+    """CUDA memory allocated and reserved (MiB), after emptying the caching allocator's free blocks."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
+
+
+def run_walk() -> list[dict[str, Any]]:
+    serve = serve_example()
+    case = (f"decode walk: {WALK_MODEL['num_hidden_layers']} Llama-like layers bf16, batch 1..{WALK_LARGEST} "
+            f"over {WALK_STEPS} steps, {WALK_POSITION} cached tokens")
+    torch._dynamo.config.recompile_limit = 4 * WALK_LARGEST      # compile-ro compiles a graph per size
+    max_len = WALK_POSITION + 8
+    model = serve.build_model(WALK_MODEL, max_len, "cuda", torch.bfloat16)
+    cache = serve.KVCache(model.config, WALK_LARGEST, max_len, "cuda", torch.bfloat16)
+    mark_static(cache.keys, cache.values)
+    chunk = serve.chunk_inputs(None, 1, cache.dummy, "cuda")     # a one-token dummy chunk: decode only
+    generator = torch.Generator("cuda").manual_seed(0)
+    inputs = {rows: {"tokens": torch.randint(1, WALK_MODEL["vocab_size"], (rows,), device="cuda", generator=generator),
+                     "positions": torch.full((rows,), WALK_POSITION, device="cuda"),
+                     "slots": torch.arange(rows, device="cuda")} for rows in range(1, WALK_LARGEST + 1)}
+    walk = batch_walk(WALK_STEPS, WALK_LARGEST)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*has been traced for")   # df-exact: a plan per size, as asked
+        expected = {rows: serve.model_step(model, cache.keys, cache.values, inputs[rows], chunk)[0]
+                    for rows in set(walk)}
+        rows_out = []
+        for variant, step in walk_variants(serve, model, cache).items():
+            before = held_memory_mb()
+            start = time.perf_counter()
+            for rows in range(1, WALK_LARGEST + 1):
+                step(cache.keys, cache.values, inputs[rows], chunk)
+            torch.cuda.synchronize()
+            first_pass = time.perf_counter() - start
+            for rows in sorted(set(walk)) * 2:      # cudagraph trees record a size's graph on its third call
+                step(cache.keys, cache.values, inputs[rows], chunk)
+            start, same = time.perf_counter(), []
+            for rows in walk:                       # cloned: cudagraph trees overwrite their outputs
+                same.append(step(cache.keys, cache.values, inputs[rows], chunk)[0].clone())
+            torch.cuda.synchronize()
+            steady = time.perf_counter() - start
+            match = statistics.mean(float((got == expected[rows]).float().mean()) for got, rows in zip(same, walk))
+            del same
+            after = held_memory_mb()
+            info = step.cache_info() if isinstance(step, df.Jitted) else None
+            rows_out.append({"case": case, "variant": variant, "tokens_per_s": sum(walk) / steady,
+                             "first_pass_s": first_pass, "captures": info.captures if info else None,
+                             "graph_mb": info.graph_memory_bytes / 2**20 if info else None,
+                             "allocated_mb": after[0] - before[0], "reserved_mb": after[1] - before[1],
+                             "padding_waste": info.padding_waste if info else None, "tokens_match": match})
+            print(f"{variant}: {info if info else ''}", flush=True)
+            del step
+            release()
+    return rows_out
+
+
+# --- serve-llama: examples/serve_llama.py's continuous-batching loop ---------------------------------
+
+
+class PaddedCompiledStep:
+    """The loop's step under torch.compile(mode="reduce-overhead", dynamic=False), its decode batch padded
+    by hand to the buckets df.jit uses, with the same pad values: one graph per bucket."""
+
+    def __init__(self, serve: Any, model: torch.nn.Module, cache: Any, slots: int):
+        def step(keys, values, decode, chunk):
+            return serve.model_step(model, keys, values, decode, chunk)
+
+        self.table = BucketTable(sorted({b for b in SERVING_BUCKETS if b < slots} | {slots}))
+        self.dummy = cache.dummy
+        self.compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
+        mark_static(cache.keys, cache.values)
+
+    def __call__(self, keys: list, values: list, decode: dict, chunk: dict) -> Any:
+        rows = decode["tokens"].shape[0]
+        extra = self.table.bucket(rows) - rows
+        padded = {name: F.pad(tensor, (0, extra), value=self.dummy if name == "slots" else 0)
+                  for name, tensor in decode.items()}
+        tokens, chunk_token = self.compiled(keys, values, padded, chunk)
+        return tokens[:rows], chunk_token
+
+
+def run_serve() -> list[dict[str, Any]]:
+    serve = serve_example()
+    setup = serve.CONFIGS["cuda"]
+    case = (f"serve_llama loop: {setup['model']['num_hidden_layers']} layers fp32, {setup['requests']} requests, "
+            f"{setup['slots']} slots, chunks of {setup['chunk']}")
+    max_len = setup["prompt"][1] + setup["new_tokens"][1] + setup["chunk"]
+    variants = {"df": lambda m, c, s: serve.jitted_step(m, c, s, "branches"),
+                "df-no-overlap": lambda m, c, s: serve.jitted_step(m, c, s, "none"),
+                "compile-ro": lambda m, c, s: PaddedCompiledStep(serve, m, c, s)}
     rows = []
-    for name in args.cases:
-        rows += run_case(name, args.repeats)
-    print_table(rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "first_generate_s", "captures",
-                       "graphs", "first_logits_rel_err", "tokens_match"], title="transformers generate(), static cache")
-    path = write_results("serving", rows, batch=BATCH, prompt=PROMPT, new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR)
+    for variant, make in variants.items():
+        model = serve.build_model(setup["model"], max_len, "cuda", torch.float32)
+        cache = serve.KVCache(model.config, setup["slots"], max_len, "cuda", torch.float32)
+        step = make(model, cache, setup["slots"])
+        runs = []
+        for seed in (0, 1):                        # the first run plans and compiles; the second is timed
+            requests = serve.make_requests(setup["requests"], setup["prompt"], setup["new_tokens"],
+                                           setup["model"]["vocab_size"], seed)
+            with torch.no_grad():
+                runs.append(serve.serve(requests, step, cache, setup["slots"], setup["chunk"], "cuda", progress=False))
+        info = step.cache_info() if isinstance(step, df.Jitted) else None
+        rows.append({"case": case, "variant": variant, "tokens_per_s": runs[1]["tokens_per_s"],
+                     "first_run_s": runs[0]["seconds"], "steps": runs[1]["steps"],
+                     "captures": info.captures if info else None,
+                     "graph_mb": info.graph_memory_bytes / 2**20 if info else None,
+                     "padding_waste": info.padding_waste if info else None,
+                     "mismatched": len(serve.check_against_generate(model, requests, 3))})
+        del model, cache, step
+        release()
+    peer = next(row["tokens_per_s"] for row in rows if row["variant"] == "compile-ro")
+    for row in rows:
+        row["vs_compile_ro"] = row["tokens_per_s"] / peer
+    return rows
+
+
+CASES = (*CONFIGS, DECODE_WALK, SERVE_LLAMA)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"bench.serving needs a CUDA device; skipped {', '.join(args.cases)}")
+        return
+    generate_rows = [row for name in args.cases if name in CONFIGS for row in run_case(name, args.repeats)]
+    walk_rows = run_walk() if DECODE_WALK in args.cases else []
+    serve_rows = run_serve() if SERVE_LLAMA in args.cases else []
+    if generate_rows:
+        print_table(generate_rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "first_generate_s",
+                                    "captures", "graphs", "first_logits_rel_err", "tokens_match"],
+                    title="transformers generate(), static cache")
+    if walk_rows:
+        print_table(walk_rows, ["variant", "tokens_per_s", "first_pass_s", "captures", "graph_mb", "allocated_mb",
+                                "reserved_mb", "padding_waste", "tokens_match"], title=walk_rows[0]["case"])
+    if serve_rows:
+        print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
+                                 "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
+    path = write_results("serving", generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
+                         new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR, walk_steps=WALK_STEPS,
+                         walk_largest=WALK_LARGEST)
     print(f"wrote {path}")
-    wrong = [f"{row['case']} {row['variant']}: {row['first_logits_rel_err']:.3g}" for row in rows if not row["logits_ok"]]
+    wrong = [f"{row['case']} {row['variant']}: {row['first_logits_rel_err']:.3g}"
+             for row in generate_rows if not row["logits_ok"]]
     if wrong:
         raise SystemExit(f"first-step logits differ from eager's by more than {MAX_REL_ERR} (relative): {wrong}")
 

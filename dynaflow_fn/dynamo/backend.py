@@ -17,8 +17,10 @@ from torch import fx
 
 from .. import compat
 from ..errors import InputError, TraceError, warn
+from ..jitting.buckets import bucket_sizes
 from ..jitting.jitted import Jitted, jit
 from ..jitting.state import is_state
+from .batching import Batch, find_batch
 from .specializing import Specialized, has_symbolic_inputs, lift_item_reads
 from .training import TrainingGraph
 
@@ -36,7 +38,7 @@ class CompileBackend:
     """
 
     def __init__(self, strategy: str | None, transforms: Callable[[Callable], Callable] | None, backend: str,
-                 in_axes: str | None, jit_options: dict[str, Any]):
+                 in_axes: str | None, jit_options: dict[str, Any], buckets: Any = None):
         if in_axes not in (None, "arguments"):
             raise InputError(f"compile_backend takes in_axes=None or 'arguments', got {in_axes!r}")
         if in_axes is not None and strategy != "auto":
@@ -46,6 +48,7 @@ class CompileBackend:
         self.backend = backend
         self.in_axes = in_axes
         self.jit_options = jit_options
+        self.buckets = bucket_sizes(buckets)
         self.graphs: list[Jitted] = []
 
     def __repr__(self) -> str:
@@ -68,20 +71,38 @@ class CompileBackend:
         placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
         example_inputs = [*example_inputs, *(node.meta.get("example_value") for node in placeholders[len(passed):])]
         tensors = [i for i, value in enumerate(example_inputs[:len(passed)]) if isinstance(value, torch.Tensor)]
+        batch = self._batch(graph_module, example_inputs, passed)
+        padding = {} if batch is None else {"buckets": self.buckets, "out_axes": batch.out_axes,
+                                            "in_axes": tuple(0 if i in batch.tensors else None for i in tensors)}
         passed, examples = [passed[i] for i in tensors], [example_inputs[i] for i in tensors]
         return Specialized(graph_module.forward, [node.name for node in placeholders], example_inputs, "forward",
-                           lambda fn: self._jit(fn, passed, examples), reads)
+                           lambda fn: self._jit(fn, passed, examples, padding), reads, batch)
 
-    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None], examples: Sequence[torch.Tensor]) -> Jitted:
+    def _batch(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any],
+               passed: Sequence[bool | None]) -> Batch | None:
+        """With buckets, where the graph holds a symbolic batch (`batching`); None without buckets, without
+        a symbolic batch, or where the graph cannot be padded (it is then planned per size, after a warning)."""
+        if self.buckets is None:
+            return None
+        batch = find_batch(graph_module, example_inputs, passed)
+        if isinstance(batch, str):
+            warn(f"df.compile_backend(buckets=...) cannot pad this graph: {batch}. It is planned for each batch "
+                 f"size instead, as without buckets.")
+            return None
+        return batch
+
+    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None], examples: Sequence[torch.Tensor],
+             padding: dict[str, Any] | None = None) -> Jitted:
         """df.jit of an inference graph's function of its tensor inputs (`examples`, Dynamo's), `passed`
         saying per input whether it was reached from an argument of the compiled function. What
         in_axes="arguments" splits is what was passed and is no model state (a parameter reached
-        through `self` is passed too)."""
+        through `self` is passed too). `padding` holds the bucket options of a graph with a batch."""
         options = dict(self.jit_options)
         if self.in_axes == "arguments":
             batched = [p is True and not is_state(example) for p, example in zip(passed, examples)]
             options["in_axes"] = tuple(0 if b else None for b in batched) if any(batched) else None
         options.setdefault("persistent_argnums", tuple(i for i, p in enumerate(passed) if p is False))
+        options.update(padding or {})
         return self._jitted(fn, options)
 
     def _jitted(self, fn: Callable[..., Any], options: dict[str, Any]) -> Jitted:
@@ -158,7 +179,8 @@ def _passed_by_the_caller(graph_module: fx.GraphModule) -> list[bool | None]:
 
 
 def compile_backend(strategy: str | None = None, transforms: Callable[[Callable], Callable] | None = None,
-                    backend: str = "auto", in_axes: str | None = None, **jit_options: Any) -> CompileBackend:
+                    backend: str = "auto", in_axes: str | None = None, buckets: Sequence[int] | str | None = None,
+                    **jit_options: Any) -> CompileBackend:
     """A backend for `torch.compile(model, backend=df.compile_backend(...))`.
 
     Every graph Dynamo captures is planned by `df.jit`, for inference and for training:
@@ -182,10 +204,17 @@ def compile_backend(strategy: str | None = None, transforms: Callable[[Callable]
         `T.overlap(strategy="branches")`. The function takes the graph's flat tensor inputs
         (parameters and buffers included), so micro-batching needs `in_axes` over those.
     backend: "auto", "eager", "cudagraph" or "inductor" (Inductor kernels per stage).
+    buckets: batch sizes (or "serving"), as for `df.jit`: an inference graph whose batch size is
+        symbolic (Dynamo's dynamic shapes: after the batch changed once, or with `dynamic=True` or
+        `torch._dynamo.mark_dynamic(x, 0)`) pads dimension 0 of the tensors the model is called with
+        (never its parameters and buffers) to the next bucket and cuts its outputs back, instead of
+        planning every size; its bucket plans share one memory pool. A graph with a static batch (the
+        first size, before Dynamo made it dynamic) is planned as it is; one whose batch symbol also
+        appears elsewhere (a flattened `[s0 * L]` tensor) is planned per size, after a warning.
     jit_options: passed on to `df.jit` (progress, ...); static_outputs, persistent_argnums and
         donate_argnums apply to inference graphs only.
 
     >>> model = torch.compile(model, backend=df.compile_backend())
     >>> model(x).sum().backward()
     """
-    return CompileBackend(strategy, transforms, backend, in_axes, jit_options)
+    return CompileBackend(strategy, transforms, backend, in_axes, jit_options, buckets)

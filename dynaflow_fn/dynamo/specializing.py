@@ -9,6 +9,11 @@ the same values go straight to that plan. A float argument that changes between 
 0-dim tensor the graph reads with `.item()` (torch.compile's `specialize_float=False`): each read
 becomes an input of the graph (`lift_item_reads`), bound per call like a size.
 
+With buckets (`df.compile_backend(buckets=...)`), the batch size is left out of the signature: the
+graph's `batching.Batch` says which tensors hold it along dimension 0, and the one df.jit of each
+remaining signature pads them to its buckets, binding the size inputs to the padded size while it
+traces, so that every bucket plan of the graph shares one memory pool.
+
 Each concrete signature gets a df.jit of its own, not one df.jit keyed on the sizes: a jitted
 function checks a call first against the plan it ran last, so sizes that alternate (a few sequence
 lengths) would miss that check on every call. One jitted function per signature keeps each call as
@@ -31,6 +36,7 @@ from ..jitting.binding import picker
 from ..jitting.call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from ..jitting.guard import call_state
 from ..jitting.jitted import Jitted
+from .batching import Batch
 
 def has_symbolic_inputs(example_inputs: Sequence[Any]) -> bool:
     """Whether a graph takes sizes as inputs or tensors whose shapes are symbolic."""
@@ -93,12 +99,16 @@ class Specialized:
     """
 
     def __init__(self, fn: Callable[..., Any], names: Sequence[str], example_inputs: Sequence[Any], name: str,
-                 plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = ()):
+                 plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = (), batch: Batch | None = None):
         self.fn, self.names, self.name, self.plan, self.reads = fn, list(names), name, plan, list(reads)
+        self.batch = batch
         self.bound = [i for i, value in enumerate(example_inputs) if not isinstance(value, torch.Tensor)]
         self.tensors = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor)]
-        symbolic_tensors = [i for i in self.tensors if _symbolic_shape(example_inputs[i])]
-        self.pick_bound, self.pick_symbolic = picker(self.bound), picker(symbolic_tensors)
+        padded, sizes = (batch.tensors, batch.sizes) if batch is not None else ((), ())
+        symbolic_tensors = [i for i in self.tensors if _symbolic_shape(example_inputs[i]) and i not in padded]
+        self.pick_bound = picker([i for i in self.bound if i not in sizes])
+        self.pick_symbolic = picker(symbolic_tensors)
+        self.pick_padded = picker([i for i in self.tensors if i in padded])
         self.tensors_of = picker(self.tensors)
         self.by_signature: dict[tuple, Jitted] = {}
         self._last_signature: CallSignature | None = None   # the signature of the latest specialization
@@ -112,7 +122,8 @@ class Specialized:
         """The concrete signature of a call: the bound scalars' values and the shapes of the tensors
         whose shapes are symbolic (Dynamo's guards already hold these to one graph)."""
         return (tuple(map(_scalar_key, self.pick_bound(args)))
-                + tuple(tensor.shape for tensor in self.pick_symbolic(args)))
+                + tuple(tensor.shape for tensor in self.pick_symbolic(args))
+                + tuple(tensor.shape[1:] for tensor in self.pick_padded(args)))
 
     def jitted_for(self, args: Sequence[Any]) -> Jitted:
         """The jitted specialization for this call's signature, made on its first call."""
@@ -124,12 +135,17 @@ class Specialized:
 
     def _specialize(self, key: tuple, args: Sequence[Any]) -> Jitted:
         template, fn, positions = list(args), self.fn, self.tensors
+        sizes = sorted(self.batch.sizes) if self.batch is not None else []
+        first = positions.index(min(self.batch.tensors)) if self.batch is not None else None
 
         def specialized(*tensors: torch.Tensor) -> Any:
             inputs = list(template)
             for position, tensor in zip(positions, tensors):
                 inputs[position] = tensor
-            return fn(*inputs)
+            for position in sizes:                   # the batch size: the padded one, while traced
+                inputs[position] = tensors[first].shape[0]
+            result = fn(*inputs)
+            return tuple(result) if isinstance(result, list) else result
 
         for position in positions:                   # keep no tensor of this call alive
             template[position] = None

@@ -81,16 +81,18 @@ Built = TypeVar("Built", bound=Buildable)
 
 
 def tune(fn: Callable[..., Any], in_axes: Any, flat: Flat, signature: str,
-         build: Callable[[Callable[..., Any]], Built], progress: bool = True) -> tuple[Choice, Built]:
+         build: Callable[[Callable[..., Any]], Built], progress: bool = True,
+         rows: int | None = None) -> tuple[Choice, Built]:
     """Choose the strategy of `fn` for one input signature: the `Choice`, and the candidate built.
 
-    `build(candidate_fn)` traces and lowers one candidate. The candidates are timed side by side with
+    `build(candidate_fn)` traces and lowers one candidate; `rows`, if known (a batch bucket), is the
+    batch size, which leaves out micro-batch counts larger than it. The candidates are timed side by side with
     no overlap (`measure`); a winner other than no overlap is timed again, alone with no overlap, and
     kept only if it still wins, since the fastest of many noisy timings is biased to look fast."""
     device, world = _placement(flat)
     program = check_in_axes(fn, in_axes, flat) if in_axes is not None else trace_flat(fn, flat)
     nccl = world > 1 and dist.get_backend() == "nccl"
-    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else (), region_names(program))}
+    options = {c.name: c.fn for c in candidates(fn, in_axes, COMM_CTAS if nccl else (), region_names(program), rows)}
     decision = decision_key(fn, signature, device, world, list(options))
     stored = load_decision(decision)
     if stored in options:
@@ -139,16 +141,17 @@ class _Trials:
 
 
 def candidates(fn: Callable[..., Any], in_axes: Any = None, comm_ctas: Sequence[int] = (),
-               regions: Sequence[str] = ()) -> list[Candidate]:
+               regions: Sequence[str] = (), rows: int | None = None) -> list[Candidate]:
     """No overlap first, then the strategies worth trying for this function. `branches` puts
     independent stages on streams of their own: the `df.region` blocks named in `regions` where the
     function has any (prefill beside decode attention), else its compute and communication.
     `comm_ctas` adds 2 micro-batches with collectives on a communicator of that many thread blocks
-    (multi-GPU only)."""
+    (multi-GPU only). With a batch of `rows` rows, only micro-batch counts up to it are tried (a
+    bucket of 1 row keeps no overlap or branches)."""
     stages = T.partition(fn, rules=[T.Region(name) for name in regions]) if regions else fn
     found = [Candidate(NO_OVERLAP, fn), Candidate("branches", T.overlap(stages, strategy="branches"))]
     if in_axes is not None:
-        for num in (2, 4):
+        for num in (2, 4) if rows is None else [n for n in (2, 4) if n <= rows]:
             split = T.microbatch(fn, num=num, in_axes=in_axes)
             for strategy in ("roundrobin", "tbo"):
                 found.append(Candidate(f"microbatch{num}-{strategy}", T.overlap(split, strategy=strategy)))

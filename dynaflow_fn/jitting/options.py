@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import optree
 import torch
 
 from ..errors import InputError
+from .buckets import bucket_sizes
 
 BACKENDS = ("auto", "eager", "cudagraph", "inductor")
 INDUCTOR, ATEN = "inductor", "aten"                   # kernels
@@ -34,6 +36,9 @@ class JitOptions:
     strategy: str | None = None
     in_axes: Any = None
     progress: bool = True
+    buckets: Any = None
+    out_axes: Any = 0
+    pad_value: Any = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -41,10 +46,26 @@ class JitOptions:
         if self.strategy not in (None, "auto"):
             raise InputError(f"jit takes strategy=None or 'auto', got {self.strategy!r}; to fix a strategy, "
                              f"transform the function: df.jit(T.overlap(fn, strategy={self.strategy!r}))")
-        if self.in_axes is not None and self.strategy != "auto":
-            raise InputError("in_axes tells strategy='auto' how to micro-batch; pass strategy='auto' with it")
+        object.__setattr__(self, "buckets", bucket_sizes(self.buckets))
+        if self.buckets is not None and self.in_axes is None:
+            raise InputError("buckets pad the batch axes that in_axes names: pass in_axes too, e.g. in_axes=(None, 0) "
+                             "for fn(params, x)")
+        if self.in_axes is not None and self.strategy != "auto" and self.buckets is None:
+            raise InputError("in_axes tells strategy='auto' how to micro-batch and buckets what to pad; pass "
+                             "strategy='auto' or buckets with it")
+        if self.buckets is None and (self.out_axes != 0 or not self.pads_with_zeros):
+            raise InputError("out_axes and pad_value say how buckets pad and cut the batch; pass buckets with them")
+        _check_leaves(self.out_axes, "out_axes", lambda leaf: isinstance(leaf, int) and not isinstance(leaf, bool),
+                      "an int (the batch axis) or None (not batched)")
+        _check_leaves(self.pad_value, "pad_value", lambda leaf: isinstance(leaf, (bool, int, float)),
+                      "a Python scalar or None (zeros)")
         object.__setattr__(self, "donate_argnums", argnums(self.donate_argnums, "donate_argnums"))
         object.__setattr__(self, "persistent_argnums", argnums(self.persistent_argnums, "persistent_argnums"))
+
+    @property
+    def pads_with_zeros(self) -> bool:
+        """Whether every padded row holds zeros (`pad_value` left at 0, or None or 0 for every leaf)."""
+        return all(leaf is None or leaf == 0 for leaf in optree.tree_leaves(self.pad_value, none_is_leaf=True))
 
     def kernels(self, device: torch.device) -> str:
         """The kernels a plan on `device` runs: INDUCTOR or ATEN."""
@@ -62,6 +83,12 @@ class JitOptions:
             raise InputError(f"backend='cudagraph' needs CUDA tensors, but the arguments are on {device}; "
                              f"use backend='auto' or 'eager'")
         return INTERPRETER
+
+
+def _check_leaves(value: Any, option: str, fits: Callable[[Any], bool], expected: str) -> None:
+    for leaf in optree.tree_leaves(value, none_is_leaf=True):
+        if leaf is not None and not fits(leaf):
+            raise InputError(f"{option} leaves are {expected}; got {leaf!r} in {option}={value!r}")
 
 
 def argnums(value: Any, option: str) -> tuple[int, ...]:

@@ -4,7 +4,8 @@ captured again when a resident input moved, and the `Guard` that lets later call
 A replayer runs in one of two ways. `call` serves a call that the full cache lookup matched: it runs
 the plan and then remembers a guard for calls like it. `replay` serves a call that this guard
 admitted, the per-call fast path: nothing but the run. `benchmark` is `call`'s run on copies of the
-inputs the plan writes, for timing.
+inputs the plan writes, for timing; `prepare` builds (captures) without running, as the largest batch
+bucket is built first. A replayer given a `SharedPool` builds its executable in that shared memory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .. import compat, distributed
 from ..errors import ResidentInputMoved, warn
 from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
+from ..runtime.shared_pool import SharedPool
 from .binding import Binding
 from .cold_start import ColdStart
 from .guard import Guard, check_no_aliasing, check_updates_allowed
@@ -32,12 +34,14 @@ class Replayer:
     """The executable of one `Binding` and the guard of the calls it last served."""
 
     def __init__(self, binding: Binding, runtime: str, static_outputs: bool, on_capture: Callable[[], None],
-                 cold_start: ColdStart | None = None):
+                 cold_start: ColdStart | None = None, memory: SharedPool | None = None):
         self.binding = binding
         self.runtime = runtime
         self.static_outputs = static_outputs
         self.on_capture = on_capture
         self.cold_start = cold_start                   # timed until the first executable is built
+        self.memory = memory                           # shared with the plans of the other buckets, or None
+        self.graph_memory_bytes = 0                    # device memory the capture allocated (CUDA graphs)
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
         self.changing: list[int] | None = None        # inputs the guard does not know by identity (see replay)
@@ -68,6 +72,11 @@ class Replayer:
         guard vouches that its versioned inputs are the tensors of a call already checked for
         aliasing, unchanged, so only the others are compared with what the plan writes."""
         return self.run(self.binding.tensors_of(leaves), rebuild_if_moved=False, aliasing_others=self.changing)
+
+    def prepare(self, leaves: Sequence[Any]) -> None:
+        """Build the executable (capture its graph) for calls like this one, without running it."""
+        if self.executable is None:
+            self._build(self.binding.tensors_of(leaves), None, None)
 
     def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
         """A call on the given arguments that leaves them unchanged: inputs the plan writes (donated,
@@ -116,12 +125,14 @@ class Replayer:
                 self._note_moved(tensors, replacing)
             if self.runtime == CUDAGRAPH:
                 with self._cold_start_phase("capture"):
+                    before = torch.cuda.memory_allocated(plan.device)
                     self.executable = CudaGraphExecutable(
                         plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
-                        self.static_outputs)
+                        self.static_outputs, self.memory)
+                    self.graph_memory_bytes = torch.cuda.memory_allocated(plan.device) - before
                 self.on_capture()
             else:
-                self.executable = EagerExecutable(plan, plan.device)
+                self.executable = EagerExecutable(plan, plan.device, self.memory)
             if self.cold_start is not None:
                 self.cold_start.finish()
                 self.cold_start = None

@@ -23,6 +23,12 @@ next replay corrupts whatever took that memory ("unspecified launch failure"). S
 from cleared workspaces, making cuBLAS allocate fresh ones inside this graph's private pool, which
 only this graph uses and which lives as long as it does; and clears them again afterwards, so that
 eager work never reuses memory the graph writes into during its replays.
+
+Executables given a `SharedPool` (the plans of one function's batch buckets) run in its buffers and
+capture into its one graph pool instead, taking its turns, captures included: the warm-up run writes
+the shared buffers too. What a graph allocates while it runs and returns (an op without an out=
+kernel computing an output) is copied into the shared output buffer at the end of the graph, so that
+the pool memory each capture allocated is free again for the next capture.
 """
 
 from __future__ import annotations
@@ -33,42 +39,71 @@ import torch
 
 from .. import compat
 from ..errors import ResidentInputMoved
-from ..plan.plan import Plan
-from .interpreter import BoundPlan
+from ..plan.plan import Plan, StorageKind
+from .interpreter import BoundPlan, view_of
+from .shared_pool import SharedPool
 from .turns import Turns
 
 
 class CudaGraphExecutable:
     """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring).
 
-    `resident` says per input whether the graph reads it at its own address (else it is copied in)."""
+    `resident` says per input whether the graph reads it at its own address (else it is copied in).
+    With `memory`, the executable runs in the arena, output and static input buffers of a
+    `SharedPool`, captures into its graph pool and takes its turns (see `shared_pool`)."""
 
     def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
-                 resident: Sequence[bool], static_outputs: bool = False):
+                 resident: Sequence[bool], static_outputs: bool = False, memory: SharedPool | None = None):
         self.plan = plan
         self.static_outputs = static_outputs
-        self.bound = BoundPlan(plan, device)
-        self.static_inputs = [tensor if is_resident else torch.empty_strided(tensor.shape, tensor.stride(),
-                                                                             dtype=tensor.dtype, device=device)
+        self.memory = memory
+        self.turns = memory.turns if memory is not None else Turns(device)
+        with self.turns:                       # shared buffers are written from here on: by the warm-up run
+            self.bound = BoundPlan(plan, device, memory.buffer("arena", plan.arena_nbytes) if memory else None)
+            self.static_inputs = [tensor if is_resident else self._static_input(i, tensor, device)
+                                  for i, (tensor, is_resident) in enumerate(zip(inputs, resident))]
+            self.copied = [i for i, is_resident in enumerate(resident) if not is_resident]
+            self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
+            self.addresses = [tensor.data_ptr() if is_resident else None
                               for tensor, is_resident in zip(inputs, resident)]
-        self.copied = [i for i, is_resident in enumerate(resident) if not is_resident]
-        self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
-        self.addresses = [tensor.data_ptr() if is_resident else None for tensor, is_resident in zip(inputs, resident)]
-        self.written_inputs = plan.written_inputs()
-        self.write_back = [i for i in self.written_inputs if not resident[i]]
-        self.env = self.bound.new_env(self.static_inputs)
-        self.bound.allocate_outputs(self.env)
-        input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
-        self.output_input = [input_position.get(slot) for slot in plan.output_slots]
-        self.turns = Turns(device)
-        self._capture(device, inputs)
+            self.written_inputs = plan.written_inputs()
+            self.write_back = [i for i in self.written_inputs if not resident[i]]
+            self.env = self.bound.new_env(self.static_inputs)
+            self.copied_out = self._bind_outputs()
+            input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
+            self.output_input = [input_position.get(slot) for slot in plan.output_slots]
+            self._capture(device, inputs)
+
+    def _static_input(self, index: int, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.memory is not None:
+            return self.memory.static_input(index, tensor)
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+
+    def _bind_outputs(self) -> list[tuple[int, torch.Tensor]]:
+        """Bind the output buffers; with shared memory, all of them in its output buffer, and the
+        outputs that steps allocate while the graph runs (ops without an out= kernel) copied there at
+        the end of the graph, so that no graph keeps memory of its own in the shared pool. Returns those
+        (slot, buffer view) pairs."""
+        if self.memory is None:
+            self.bound.allocate_outputs(self.env)
+            return []
+        plan = self.plan
+        allocated = list(dict.fromkeys(slot for slot in plan.output_slots
+                                       if plan.storages[plan.slots[slot].storage].kind is StorageKind.DYNAMIC))
+        offsets, nbytes = self.bound.packed_outputs([plan.storages[plan.slots[slot].storage] for slot in allocated])
+        buffer = self.memory.buffer("outputs", nbytes)
+        self.bound.allocate_outputs(self.env, buffer)
+        return [(slot, view_of(buffer, offsets[plan.slots[slot].storage], plan.slots[slot])) for slot in allocated]
 
     def _capture(self, device: torch.device, inputs: Sequence[torch.Tensor]) -> None:
         """Warm up once outside the graph (lazy library initialization must not be captured), on clones
         of the inputs the plan writes, so the caller's tensors change only when the call really runs;
         then capture, with cuBLAS workspaces allocated inside the graph (see the module docstring)."""
-        capture_stream = torch.cuda.Stream(device)
-        streams = [capture_stream] + [torch.cuda.Stream(device, priority=s.priority) for s in self.plan.streams[1:]]
+        memory = self.memory
+        side = [(k, s.priority) for k, s in enumerate(self.plan.streams) if k > 0]
+        streams = ([memory.stream(0, 0)] + [memory.stream(k, p) for k, p in side] if memory is not None else
+                   [torch.cuda.Stream(device)] + [torch.cuda.Stream(device, priority=p) for _, p in side])
+        capture_stream = streams[0]
         events = [torch.cuda.Event() for _ in range(self.plan.num_events)]
         self._load_inputs(inputs)
         warm_env = list(self.env)
@@ -83,11 +118,15 @@ class CudaGraphExecutable:
         self.graph = torch.cuda.CUDAGraph()
         compat.clear_cublas_workspaces()
         try:
-            with torch.cuda.graph(self.graph, stream=capture_stream, capture_error_mode="thread_local"), \
-                    torch.no_grad():
+            with torch.cuda.graph(self.graph, pool=memory.graph_pool if memory is not None else None,
+                                  stream=capture_stream, capture_error_mode="thread_local"), torch.no_grad():
                 self.bound.run(self.env, streams, events)
+                for slot, buffer in self.copied_out:        # the plan joined every stream into this one
+                    buffer.copy_(self.env[slot])
         finally:
             compat.clear_cublas_workspaces()
+        for slot, buffer in self.copied_out:                # the allocated outputs return to the pool
+            self.env[slot] = buffer
         self._keep_alive = (streams, events)
 
     def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:

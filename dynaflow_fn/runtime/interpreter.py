@@ -16,13 +16,14 @@ import torch
 from ..compat import sm_carveout, sm_carveout_supported
 from ..errors import InternalError
 from ..ir.ops import op_info
-from ..plan.plan import Plan, Ref, Slot, Step, StepKind, StorageKind
+from ..plan.plan import Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
 from .collectives import all_reduce_on_current_stream
 
 Env = list
 
 
-def _byte_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+def byte_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` uninitialized bytes on `device` (at least 16, so that even an empty plan has an address)."""
     return torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
 
 
@@ -132,13 +133,21 @@ def _release_schedule(plan: Plan) -> tuple[list[list[int]], list[list[int]]]:
     return release, foreign
 
 
-class BoundPlan:
-    """A plan with its arena, constants and setup results allocated and computed, ready to run many times."""
+OUTPUT_ALIGNMENT = 256
+"""Byte alignment of each output storage packed into one buffer (`BoundPlan.allocate_outputs`), as the
+caching allocator aligns its own blocks, so kernels see the alignment they would see otherwise."""
 
-    def __init__(self, plan: Plan, device: torch.device):
+
+class BoundPlan:
+    """A plan with its arena, constants and setup results allocated and computed, ready to run many times.
+
+    `arena`, when given, is memory of at least `plan.arena_nbytes` bytes the plan runs in instead of an
+    arena of its own (one shared by plans that never run at once: `shared_pool`)."""
+
+    def __init__(self, plan: Plan, device: torch.device, arena: torch.Tensor | None = None):
         self.plan = plan
         self.device = device
-        self.arena = _byte_buffer(plan.arena_nbytes, device)
+        self.arena = arena if arena is not None else byte_buffer(plan.arena_nbytes, device)
         self.template: Env = [None] * len(plan.slots)
         for slot in plan.slots:
             storage = plan.storages[slot.storage]
@@ -160,13 +169,32 @@ class BoundPlan:
             env[slot] = tensor
         return env
 
-    def allocate_outputs(self, env: Env) -> None:
+    def allocate_outputs(self, env: Env, buffer: torch.Tensor | None = None) -> None:
+        """Bind the output slots: each output storage in a buffer of its own, or all of them packed
+        into `buffer` (at least `packed_outputs()[1]` bytes)."""
+        if buffer is not None:
+            offsets, _ = self.packed_outputs()
+            for slot, storage in self.output_slots:
+                env[slot.index] = view_of(buffer, offsets[storage.index], slot)
+            return
         buffers: dict[int, torch.Tensor] = {}
         for slot, storage in self.output_slots:
-            buffer = buffers.get(storage.index)
-            if buffer is None:
-                buffer = buffers[storage.index] = _byte_buffer(storage.nbytes, self.device)
-            env[slot.index] = view_of(buffer, 0, slot)
+            own = buffers.get(storage.index)
+            if own is None:
+                own = buffers[storage.index] = byte_buffer(storage.nbytes, self.device)
+            env[slot.index] = view_of(own, 0, slot)
+
+    def packed_outputs(self, extra: Sequence[Storage] = ()) -> tuple[dict[int, int], int]:
+        """Byte offsets of the output storages (and `extra` ones) packed into one buffer, by storage
+        index, and the buffer's size: a multiple of the alignment, so that views of any dtype fit."""
+        aligned = lambda nbytes: -(-nbytes // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT   # noqa: E731
+        offsets: dict[int, int] = {}
+        end = 0
+        for storage in [s for _, s in self.output_slots] + list(extra):
+            if storage.index not in offsets:
+                offsets[storage.index] = aligned(end)
+                end = offsets[storage.index] + storage.nbytes
+        return offsets, aligned(end)
 
     def run(self, env: Env, streams: Sequence[torch.cuda.Stream] | None = None,
             events: Sequence[torch.cuda.Event] | None = None) -> None:

@@ -1,0 +1,75 @@
+"""Whether padding a function's batch keeps the results of its real rows.
+
+Padding is exact when every output row depends on its own input row and nothing else of the batch:
+then the padded rows change nothing, and cutting them off the outputs gives what the function
+computes on the real rows. That is the question micro-batching asks too, and `transforms.batch_rows`
+answers it for both: it follows the batch rows through the traced function and reports every op that
+mixes them (a batch mean used again with the rows, batch norm in train mode, a product of rows with
+rows). What padding adds, read off the same analysis:
+
+* an output reduced over the batch (a sum over the rows) takes in the padded rows, whatever `out_axes`
+  says of it;
+* an output that reads no batch row is not padded, so `out_axes` must not cut it;
+* an input the function updates in place from the rows (a KV cache written at the rows' slots) is
+  written by the padded rows too, at the place their pad values name: zeros unless `pad_value` says
+  otherwise, so by default they write slot 0.
+
+A batched input that the function updates in place cannot be padded at all: the update would land in
+the padded copy, not the caller's tensor. That one is an error; the others warn, as micro-batching
+warns, since the analysis cannot always tell (an op it does not model stops it quietly).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import optree
+import torch
+
+from ..errors import InputError
+from ..ir.program import Program
+from ..transforms.batch_rows import follow_rows
+from ..transforms.row_states import Reduced
+from .buckets import BatchLayout, OutputAxes
+
+_COPY_ = torch.ops.aten.copy_.default
+
+
+def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any], out_axes: OutputAxes,
+                     pad_value_given: bool) -> list[str]:
+    """Why padding `program` (traced on `leaves`, a call padded to a bucket) may change its real rows'
+    results, as warning texts; raises InputError for a batched input it updates in place."""
+    rows = layout.rows(leaves)
+    batch_axes = {program.inputs[b.position].node_name: b.axis % leaves[b.position].dim() for b in layout.batched}
+    updates = {node.args[0].name: node.args[1] for node in program.ops()
+               if node.target is _COPY_ and node.args[0].op == "placeholder"}
+    padded_updates = [spec.path for spec in program.inputs
+                      if spec.node_name in updates and spec.node_name in batch_axes]
+    if padded_updates:
+        raise InputError(f"{program.name} updates {', '.join(padded_updates)} in place, and in_axes pads it: the "
+                         f"update would land in the padded copy, not in your tensor. Give it None in in_axes (a KV "
+                         f"cache indexed by the rows' slots is not batched), or update it outside the function")
+    if rows < 2:                                   # with one row, any axis of size 1 could hold it
+        return []
+    flow = follow_rows(program.graph, batch_axes, rows)
+    texts = [f"{finding}. Padded rows join the batch, so the real rows' results would depend on them. Pad only "
+             f"functions whose rows are independent (BatchNorm in eval mode), or call this one at bucket sizes"
+             for finding in flow.findings]
+    returned = program.output_node().args[0]
+    specs = list(program.outputs)
+    axes = out_axes.axes(program.out_tree, optree.tree_unflatten(program.out_tree, specs))
+    for spec, axis in zip(specs, axes):
+        state = flow.states.get(returned[spec.tensor_index]) if spec.tensor_index is not None else None
+        if isinstance(state, Reduced):
+            texts.append(f"{spec.path} is reduced over the batch rows (by {state.by}), so the padded rows enter it "
+                         f"and cutting the outputs cannot take them out: compute it outside the padded function")
+        elif spec.tensor_index is not None and state is None and axis is not None:
+            texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
+                         f"to the batch size: give it None in out_axes")
+    if not pad_value_given:
+        written = [spec.path for spec in program.inputs
+                   if spec.node_name in updates and flow.states.get(updates[spec.node_name]) is not None]
+        texts += [f"{program.name} updates {path} in place from the batch rows, so padded rows write it too, with "
+                  f"their pad values (zeros, by default: slot or index 0). Give pad_value= values that make them "
+                  f"write where no real row reads (a dummy cache slot, as serving engines do)" for path in written]
+    return texts

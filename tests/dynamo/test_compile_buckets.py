@@ -1,0 +1,63 @@
+"""df.compile_backend(buckets=...): a Dynamo graph whose batch size is symbolic pads the tensors the
+model is called with to the next bucket, instead of planning every size."""
+
+import pytest
+import torch
+from torch import nn
+
+import dynaflow_fn as df
+from dynaflow_fn.errors import InputError
+from models import Block
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo's caches are global: start and leave them empty so other tests see no stale graphs."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _padded_graphs(backend):
+    return [jitted for jitted in backend.graphs if jitted.options.buckets is not None]
+
+
+def test_a_symbolic_batch_is_padded_to_the_buckets_and_the_parameters_never_are():
+    model = nn.Sequential(Block(), Block()).eval()
+    backend = df.compile_backend(buckets=(2, 4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for rows in (3, 5, 7, 6, 8, 2, 5):
+            x = torch.randn(rows, 6, 32)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    (padded,) = _padded_graphs(backend)                      # Dynamo's graph with a symbolic batch
+    assert [axis for axis in padded.options.in_axes if axis is not None] == [0]   # x alone: no parameter
+    info = padded.cache_info()
+    assert info.real_rows == 5 + 7 + 6 + 8 + 2 + 5                # 3 rows went to Dynamo's first, static graph
+    assert info.padded_rows == 3 + 1 + 2 + 0 + 0 + 3 and info.entries == 2   # the plans of 8 and 2 rows
+    replayers = [r for rs in padded._cache.values() for r in rs]
+    assert len({id(r.memory) for r in replayers}) == 1         # one memory pool for the graph's buckets
+
+
+def test_a_graph_with_the_batch_inside_another_dimension_is_planned_per_size_after_a_warning():
+    class Flattening(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x).reshape(-1, 8)                 # [batch * 3, 8]: no dimension 0 of rows
+
+    model = Flattening().eval()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="cannot pad this graph"):
+        for rows in (2, 3, 5):
+            x = torch.randn(rows, 3, 8)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert not _padded_graphs(backend)
+
+
+def test_bad_buckets_are_refused_when_the_backend_is_made():
+    with pytest.raises(InputError, match="sorted"):
+        df.compile_backend(buckets=(8, 4))

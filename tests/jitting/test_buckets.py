@@ -1,0 +1,287 @@
+"""df.jit(fn, buckets=...): each call padded to the next bucket, run by that bucket's plan, its outputs
+cut back to the real rows; the bucket plans of one argument structure share their memory."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynaflow_fn as df
+from dynaflow_fn import transforms as T
+from dynaflow_fn.errors import InputError
+from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BatchLayout
+from models import MLP, Block
+
+
+def _features(x, scale):
+    """Row-independent and free of GEMMs: exact whatever the batch size its kernels see."""
+    return torch.softmax(F.layer_norm(x, x.shape[-1:]) * scale, dim=-1) + F.gelu(x).cumsum(-1)
+
+
+def _replayers(fast):
+    return [replayer for replayers in fast._cache.values() for replayer in replayers]
+
+
+@pytest.mark.filterwarnings("ignore:_features has been traced")
+def test_padding_is_exact_at_every_batch_size():
+    fast = df.jit(_features, buckets=(1, 2, 4, 8, 12), in_axes=(0, None), backend="eager")
+    exact = df.jit(_features, backend="eager")
+    scale = torch.randn(16)
+    for rows in range(1, 13):
+        x = torch.randn(rows, 5, 16)
+        got = fast(x, scale)
+        assert got.shape == (rows, 5, 16)
+        torch.testing.assert_close(got, exact(x, scale), rtol=0, atol=0)     # bit for bit, the plan at that size
+        torch.testing.assert_close(got, _features(x, scale), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_a_model_padded_computes_what_it_computes_on_the_padded_batch(model):
+    """GEMM kernels choose their blocking by the row count, so a row's bits can differ between a batch
+    of 5 and one of 8 (eager PyTorch alike): padded, a row is what eager computes at the bucket's size,
+    bit for bit, and what it computes at the real size within the dtype's tolerance."""
+    module, shape = (MLP(), (32,)) if model == "mlp" else (Block(), (6, 32))
+    fn, params = df.pure(module.eval())
+    fast = df.jit(fn, buckets=(2, 4, 8), in_axes=(None, 0), backend="eager")
+    for rows in range(1, 9):
+        x = torch.randn(rows, *shape)
+        bucket = next(b for b in (2, 4, 8) if b >= rows)
+        padded = torch.cat([x, x.new_zeros(bucket - rows, *shape)])
+        got = fast(params, x)
+        torch.testing.assert_close(got, fn(params, padded)[:rows], rtol=0, atol=0)
+        torch.testing.assert_close(got, fn(params, x), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_cut_along_out_axes_and_unbatched_ones_come_back_whole():
+    def fn(w, x, y):                      # x batched on axis 0, y on axis 1
+        return {"rows": x @ w, "cols": y * 2, "total": w.sum()}
+
+    fast = df.jit(fn, buckets=(4, 8), in_axes=(None, 0, 1), out_axes={"rows": 0, "cols": 1, "total": None},
+                  backend="eager")
+    w, x, y = torch.randn(3, 3), torch.randn(5, 3), torch.randn(2, 5)
+    got = fast(w, x, y)
+    torch.testing.assert_close(got, fn(w, x, y))
+    assert got["cols"].shape == (2, 5) and got["total"].shape == ()
+
+
+def test_padded_rows_hold_the_pad_values_per_leaf():
+    def fn(x, extra):
+        return x["ids"] * 1, x["slots"] * 1, extra * 1
+
+    fast = df.jit(fn, buckets=(4,), in_axes=(0, None), out_axes=None, pad_value=({"ids": 0, "slots": 7}, None),
+                  backend="eager")
+    ids, slots = torch.tensor([3, 4]), torch.tensor([1, 2])
+    got_ids, got_slots, _ = fast({"ids": ids, "slots": slots}, torch.ones(2))
+    assert got_ids.tolist() == [3, 4, 0, 0] and got_slots.tolist() == [1, 2, 7, 7]   # out_axes=None: as padded
+
+
+def test_a_call_at_a_bucket_size_pads_and_copies_nothing(monkeypatch):
+    fast = df.jit(_features, buckets=(2, 4), in_axes=(0, None), backend="eager")
+    scale = torch.randn(8)
+    fast(torch.randn(3, 8), scale)                      # plans the buckets
+    padded = []
+    original = BatchLayout.pad
+    monkeypatch.setattr(BatchLayout, "pad", lambda self, *a: padded.append(a[1:]) or original(self, *a))
+    x = torch.randn(4, 8)
+    assert fast(x, scale).shape == (4, 8) and not padded
+    fast(torch.randn(3, 8), scale)
+    assert padded == [(3, 4)]
+
+
+def test_keyword_tensors_are_padded_along_axis_0_as_microbatch_splits_them():
+    def fn(w, x, mask):
+        return (x @ w) * mask
+
+    fast = df.jit(fn, buckets=(4,), in_axes=(None, 0), backend="eager")
+    w, x, mask = torch.randn(3, 3), torch.randn(3, 3), torch.rand(3, 3)
+    torch.testing.assert_close(fast(w, x, mask=mask), fn(w, x, mask))
+
+
+def test_a_batch_past_the_largest_bucket_runs_a_plan_of_its_own_size_and_warns_once():
+    fast = df.jit(_features, buckets=(2, 4), in_axes=(0, None), backend="eager")
+    scale = torch.randn(8)
+    with pytest.warns(UserWarning, match="more than its largest bucket"):
+        torch.testing.assert_close(fast(torch.randn(6, 8), scale).shape, torch.Size([6, 8]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = torch.randn(7, 8)
+        torch.testing.assert_close(fast(x, scale), _features(x, scale))
+    shapes = [tuple(r.plan.slots[r.plan.input_slots[0]].layout.shape) for r in _replayers(fast)]
+    assert shapes == [(6, 8), (7, 8)]                     # each its own plan; no bucket plan was needed
+
+
+def test_trace_and_lower_show_the_plan_of_the_bucket():
+    fast = df.jit(_features, buckets=(8,), in_axes=(0, None), backend="eager")
+    x, scale = torch.randn(3, 8), torch.randn(8)
+    assert "f32[8, 8]" in str(fast.trace(x, scale))
+    assert fast.lower(x, scale).signature == fast.trace(x, scale).signature
+
+
+def test_serving_buckets_are_vllms_list_up_to_256():
+    assert SERVING_BUCKETS == (1, 2, 4) + tuple(range(8, 256, 8)) + (256,)
+    assert len(SERVING_BUCKETS) == 35
+    fast = df.jit(_features, buckets="serving", in_axes=(0, None), backend="eager")
+    assert fast.options.buckets == SERVING_BUCKETS
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(buckets=(4, 2), in_axes=0), "sorted"),
+    (dict(buckets=(2, 2, 4), in_axes=0), "more than once"),
+    (dict(buckets=(0, 2), in_axes=0), "positive"),
+    (dict(buckets=(1, -4), in_axes=0), "positive"),
+    (dict(buckets=(1, True), in_axes=0), "positive"),
+    (dict(buckets=(), in_axes=0), "empty"),
+    (dict(buckets="vllm", in_axes=0), "'serving'"),
+    (dict(buckets=(1, 2)), "pass in_axes"),
+    (dict(in_axes=0), "strategy='auto' or buckets"),
+    (dict(out_axes=1), "pass buckets"),
+    (dict(pad_value=1.0), "pass buckets"),
+    (dict(buckets=(2,), in_axes=0, out_axes="mean"), "out_axes leaves"),
+    (dict(buckets=(2,), in_axes=0, pad_value="x"), "pad_value leaves"),
+])
+def test_bad_bucket_options_are_input_errors(options, message):
+    with pytest.raises(InputError, match=message):
+        df.jit(_features, **options)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda fast, p, x: fast(p, x, x[:2]), "disagree on the batch size"),
+    (lambda fast, p, x: fast(p, x), "no pytree prefix"),
+])
+def test_calls_that_do_not_fit_in_axes_are_input_errors(call, message):
+    fast = df.jit(lambda p, x, y=None: x * 2, buckets=(4,), in_axes=(None, 0, 0), backend="eager")
+    with pytest.raises(InputError, match=message):
+        call(fast, {"w": torch.randn(3)}, torch.randn(3, 3))
+
+
+def test_model_state_and_donated_arguments_are_never_padded():
+    fn, params = df.pure(nn.Linear(3, 3))
+    with pytest.raises(InputError, match="model state"):
+        df.jit(fn, buckets=(4,), in_axes=0, backend="eager")(params, torch.randn(3, 3))
+    donated = df.jit(lambda x: x + 1, buckets=(4,), in_axes=0, donate_argnums=0, backend="eager")
+    with pytest.raises(InputError, match="donate_argnums"):
+        donated(torch.randn(3, 3))
+
+
+def test_a_batched_input_the_function_updates_in_place_is_refused():
+    def fn(x):
+        x.add_(1)
+        return x * 2
+
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    for _ in range(2):                                     # refused again, never run on a padded copy
+        with pytest.raises(InputError, match="updates x in place"):
+            fast(torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).train(), "batch norm in train mode"),
+    (lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval(), None),
+    (lambda: MLP((8, 16, 8)), None),
+])
+def test_functions_whose_rows_interact_warn_as_microbatching_does(make, expected):
+    fn, params = df.pure(make())
+    fast = df.jit(fn, buckets=(4, 8), in_axes=(None, 0), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast(params, torch.randn(3, 8))
+        fast(params, torch.randn(5, 8))
+    texts = [str(w.message) for w in caught if "with buckets" in str(w.message)]
+    assert (texts == []) if expected is None else (len(texts) == 1 and expected in texts[0]), texts
+
+
+def test_a_batch_mean_used_with_the_rows_and_an_output_summed_over_the_batch_warn():
+    fast = df.jit(lambda x: (x - x.mean(0), x.sum(0)), buckets=(4,), in_axes=0, out_axes=(0, None), backend="eager")
+    with pytest.warns(UserWarning) as caught:
+        fast(torch.randn(3, 5))
+    texts = " | ".join(str(w.message) for w in caught)
+    assert "per-row data" in texts and "out[1] is reduced over the batch rows" in texts
+
+
+def test_an_update_of_shared_state_from_the_rows_warns_unless_pad_values_are_given():
+    def write(cache, slots, values):
+        cache.index_put_((slots,), values)
+        return values * 2
+
+    cache = torch.zeros(8, 3)
+    with pytest.warns(UserWarning, match="updates cache in place from the batch rows"):
+        df.jit(write, buckets=(4,), in_axes=(None, 0, 0), backend="eager")(cache, torch.tensor([1, 2]),
+                                                                             torch.ones(2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guarded = df.jit(write, buckets=(4,), in_axes=(None, 0, 0), pad_value=(None, 7, 0.0), backend="eager")
+        cache = torch.zeros(8, 3)
+        guarded(cache, torch.tensor([1, 2]), torch.ones(2, 3))
+    assert cache[1:3].eq(1).all() and cache[[0, 3, 4, 5, 6]].eq(0).all()   # padded rows wrote the dummy slot 7
+
+
+def test_cache_info_counts_plans_and_padding_waste():
+    fast = df.jit(_features, buckets=(2, 4, 8), in_axes=(0, None), backend="eager")
+    scale = torch.randn(4)
+    for rows in (1, 3, 5, 8, 3):
+        fast(torch.randn(rows, 4), scale)
+    info = fast.cache_info()
+    assert (info.padded_rows, info.real_rows) == (1 + 1 + 3 + 0 + 1, 20)
+    assert info.entries == 3 and info.misses == 3 and info.captures == 0   # 8 (first: the largest), 2, 4
+    assert info.padding_waste == pytest.approx(6 / 20)
+    assert "padding waste 30.0% (6 padded rows for 20 real ones)" in str(info)
+
+
+def test_the_largest_bucket_is_planned_first_and_every_plan_runs_in_its_arena():
+    fast = df.jit(_features, buckets=(2, 4, 8), in_axes=(0, None), backend="eager")
+    scale = torch.randn(16)
+    fast(torch.randn(3, 16), scale)
+    assert [tuple(r.plan.slots[r.plan.input_slots[0]].layout.shape) for r in _replayers(fast)] == [(8, 16), (4, 16)]
+    fast(torch.randn(1, 16), scale)
+    replayers = _replayers(fast)
+    assert len({id(r.memory) for r in replayers}) == 1
+    arenas = {r.executable.bound.arena.untyped_storage().data_ptr() for r in replayers if r.executable is not None}
+    assert len(arenas) == 1 and len(replayers) == 3
+    assert len({id(r.executable.turns) for r in replayers if r.executable is not None}) == 1
+
+
+def test_bucket_plans_sharing_an_arena_take_turns_across_threads():
+    fn, params = df.pure(MLP((64, 256, 256, 64)).eval())
+    fast = df.jit(fn, buckets=(2, 16), in_axes=(None, 0), backend="eager")
+    inputs = {rows: torch.randn(rows, 64) for rows in (2, 16)}
+    expected = {rows: fast(params, x) for rows, x in inputs.items()}
+    failures = []
+
+    def hammer(rows):
+        for _ in range(40):
+            if not torch.equal(fast(params, inputs[rows]), expected[rows]):
+                failures.append(rows)
+
+    threads = [threading.Thread(target=hammer, args=(rows,)) for rows in (2, 16, 2, 16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_strategy_auto_decides_per_bucket(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAFLOW_CACHE_DIR", str(tmp_path))
+    fn, params = df.pure(Block().eval())
+    fast = df.jit(fn, strategy="auto", buckets=(1, 4), in_axes=(None, 0), progress=False, backend="eager")
+    for rows in (1, 3):
+        x = torch.randn(rows, 6, 32)
+        torch.testing.assert_close(fast(params, x), fn(params, x), rtol=1e-5, atol=1e-5)
+    assert len(fast.choices) == 2                               # one decision per bucket, each its own signature
+    small, large = sorted(fast.choices.values(), key=lambda choice: "microbatch2-tbo" in choice.median_ms)
+    assert not [name for name in small.median_ms if "microbatch" in name] and not small.skipped
+    assert {"microbatch2-tbo", "microbatch4-roundrobin"} <= set(large.median_ms)
+
+
+def test_buckets_compose_with_a_transformed_function():
+    fn, params = df.pure(Block().eval())
+    step = T.overlap(T.partition(fn, rules=[T.Region("attn")]), strategy="branches")
+    fast = df.jit(step, buckets=(2, 4), in_axes=(None, 0), backend="eager")
+    for rows in (1, 3):
+        x = torch.randn(rows, 6, 32)
+        torch.testing.assert_close(fast(params, x), fn(params, x), rtol=1e-5, atol=1e-5)
+    for plan in fast.plans():
+        df.verify(plan)
