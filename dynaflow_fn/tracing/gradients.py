@@ -13,6 +13,8 @@ autograd graph if the caller had grad mode on (`recording_grad_modes`):
   `torch.inference_mode()` blocks: while a trace runs, those context managers count how deep the
   tracing thread is in them (other threads pass through unchanged; `torch.set_grad_enabled(False)`
   called as a plain function, not as a block, is not seen);
+* no for what `Tensor.detach()` records: some torch releases trace it as `aten.alias`, an op that
+  autograd connects, so the call itself is watched (a torch-function mode), not the op it leaves;
 * yes everywhere else: the function's body as the caller runs it.
 
 `gradient_flow` then follows the functional graph: an output depends on an input through the nodes
@@ -34,6 +36,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx
+from torch.overrides import TorchFunctionMode
 
 from ..compat import StorageWeakRef, in_backward, outside_current_trace
 from ..ir import ops
@@ -51,6 +54,22 @@ class GradientFlow:
 class _Depth(threading.local):
     recording = False
     disabled = 0           # how many of the function's own grad-disabling blocks are open
+    detaching = 0          # how many `detach` calls are running
+
+
+_DETACHING = frozenset({torch.Tensor.detach, torch.detach})
+
+
+class _WatchingDetach(TorchFunctionMode):
+    """Counts the `detach` calls running on the tracing thread (see the module docstring)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        detaching = func in _DETACHING
+        _depth.detaching += detaching
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            _depth.detaching -= detaching
 
 
 _depth = _Depth()
@@ -95,12 +114,13 @@ def _counting_grad_modes() -> Iterator[None]:
                 _patched.append((cls, name, original))
                 setattr(cls, name, _counting(original, step, disables))
         _installed += 1
-    outer = _depth.recording, _depth.disabled
-    _depth.recording, _depth.disabled = True, 0
+    outer = _depth.recording, _depth.disabled, _depth.detaching
+    _depth.recording, _depth.disabled, _depth.detaching = True, 0, 0
     try:
-        yield
+        with _WatchingDetach():
+            yield
     finally:
-        _depth.recording, _depth.disabled = outer
+        _depth.recording, _depth.disabled, _depth.detaching = outer
         with _install_lock:
             _installed -= 1
             if _installed == 0:
@@ -111,6 +131,8 @@ def _counting_grad_modes() -> Iterator[None]:
 
 def _recorded_by_autograd() -> bool:
     """Whether eager autograd would record an op run now, had the caller grad mode on."""
+    if _depth.detaching:
+        return False
     if torch.is_grad_enabled():
         return True
     return _depth.disabled == 0 and not in_backward()

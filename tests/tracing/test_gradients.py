@@ -71,3 +71,12 @@ def test_gradients_computed_by_autograd_are_connected_to_nothing():
     w = torch.randn(4, 4, requires_grad=True)
     flow = _flow(df.value_and_grad(lambda x: (x @ w).square().sum()), torch.randn(2, 4))
     assert flow.outputs == ((), ())
+
+
+def test_what_detach_returns_is_connected_to_nothing_however_torch_traces_it():
+    def f(x, w):
+        y = x.detach() * w                                       # depends on w alone
+        return y, torch.detach(x * w), (x * w).detach().view(-1)
+
+    flow = _flow(f, torch.randn(3), torch.randn(3))
+    assert flow.outputs == ((1,), (), ())
