@@ -5,14 +5,13 @@ releases (2.14 made the fx-tracing flag thread-local, for one), so no other modu
 each entry below says what it is for, uses the public API where one exists, and falls back to
 something correct (if slower or less precise) when the internal is missing.
 tests/compat/test_compat.py runs every entry, and every fallback. Tracing on fake tensors lives in
-`compat.tracing`, operator and storage facts in `compat.operators`; every entry is imported from
-`dynaflow_fn.compat`.
+`compat.tracing`, operator and storage facts in `compat.operators`, what every jitted call reads in
+`compat.calls`; every entry is imported from `dynaflow_fn.compat`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -20,7 +19,17 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import fx
 
-from ..errors import BackwardError, InputError
+from ..errors import InputError
+from .calls import (
+    any_autocast_enabled,
+    current_stream_id,
+    data_ptrs_equal,
+    matmul_settings,
+    ops_are_transformed,
+    stream_from_id,
+    torch_function_mode_active,
+    without_backward,
+)
 from .modules import observe_module_changes
 from .operators import OpOverload, StorageWeakRef, has_internal_overlap, has_kernel_for, op_schema
 from .tracing import (
@@ -32,7 +41,6 @@ from .tracing import (
     current_trace_graph,
     fx_tracing_flag_cleared,
     make_fx,
-    ops_are_transformed,
     outside_current_trace,
     quiet_meta_failures,
 )
@@ -48,56 +56,6 @@ __all__ = [
     "quiet_meta_failures", "outside_current_trace", "LeafCheck", "leaf_checker",
     "observe_module_changes", "ops_are_transformed", "in_backward",
 ]
-
-
-# --- process-wide state a plan depends on -----------------------------------------------------------
-# Read on every jitted call, so each has a fast private reader and a public (slower) fallback.
-
-
-def any_autocast_enabled() -> bool:
-    """Whether autocast is on for any device type."""
-    query = getattr(torch._C, "_is_any_autocast_enabled", None)
-    if query is not None:
-        return query()
-    return any(torch.is_autocast_enabled(device) for device in ("cuda", "cpu", "xpu", "mps", "hpu"))
-
-
-def torch_function_mode_active() -> bool:
-    """Whether a torch-function mode is active (`torch.set_default_device` installs one)."""
-    query = getattr(torch._C, "_len_torch_function_stack", None)
-    if query is not None:
-        return query() > 0
-    from torch.overrides import _get_current_function_mode_stack
-
-    return bool(_get_current_function_mode_stack())
-
-
-def _public_matmul_settings() -> tuple:
-    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    return (cuda.allow_tf32, cudnn.allow_tf32, cuda.allow_fp16_reduced_precision_reduction,
-            cuda.allow_bf16_reduced_precision_reduction, cudnn.deterministic, cudnn.benchmark,
-            torch.get_float32_matmul_precision(), str(torch.backends.cuda.preferred_blas_library()))
-
-
-def _resolve_matmul_settings() -> Any:
-    getters = [getattr(torch._C, name, None) for name in ("_get_cublas_allow_tf32", "_get_cudnn_allow_tf32",
-               "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
-               "_get_cudnn_deterministic", "_get_cudnn_benchmark", "_get_blas_preferred_backend",
-               "_get_float32_matmul_precision")]
-    if None in getters:
-        return _public_matmul_settings
-    tf32, cudnn_tf32, fp16, bf16, deterministic, benchmark, blas, precision = getters
-
-    def matmul_settings() -> tuple:
-        """The settings that choose matmul and convolution kernels (TF32, reduced-precision reductions,
-        cuDNN determinism and autotuning, the preferred BLAS library, float32 matmul precision). A CUDA
-        graph keeps the kernels chosen when it was captured, so a change must capture again. Read on
-        every call: torch._C's getters cost a tenth of the torch.backends properties (about 2 us)."""
-        return tf32(), cudnn_tf32(), fp16(), bf16(), deterministic(), benchmark(), blas(), precision()
-    return matmul_settings
-
-
-matmul_settings = _resolve_matmul_settings()
 
 
 # --- the per-call check of df.jit ------------------------------------------------------------------
@@ -157,42 +115,6 @@ def _add_guard(add: Callable[..., None], head: tuple, tail: tuple) -> None:
 # --- autograd -----------------------------------------------------------------------------------------
 
 
-class _NoBackward(torch.autograd.Function):
-    """Fallback of `without_backward`: outputs whose backward raises `message`."""
-
-    @staticmethod
-    def forward(ctx: Any, message: str, *tensors: torch.Tensor) -> Any:
-        ctx.message = message
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        raise BackwardError(ctx.message)
-
-
-def without_backward(tensors: list[torch.Tensor], message: bytes) -> list[torch.Tensor]:
-    """The same tensors (same memory), now requiring grad, whose backward raises `message`.
-
-    What eager PyTorch would hand back from inputs that require grad is a tensor in the autograd
-    graph; a compiled plan has none, so its outputs say so when backward reaches them instead of
-    failing far away with "does not require grad". torch's DelayedError node does this in one C++
-    call; the fallback is an autograd.Function."""
-    if _DelayedError is None:
-        return list(_NoBackward.apply(message.decode(), *(_requiring_grad(t) for t in tensors)))
-    node = _DelayedError(message, len(tensors))
-    results = node(*(_requiring_grad(t) for t in tensors))
-    return list(results) if isinstance(results, tuple) else [results]
-
-
-_DelayedError = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
-
-
-def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
-    alias = tensor.detach()
-    alias.requires_grad_(True)
-    return alias
-
-
 def in_backward() -> bool:
     """Whether this thread runs the autograd engine's backward now (its ops run with grad mode at
     `create_graph`): torch's current graph task. Fallback: False, so ops that `torch.autograd.grad`
@@ -221,31 +143,6 @@ def dynamo_input_origin(placeholder: fx.Node) -> bool | None:
     while source is not None and hasattr(source, "base"):
         source = source.base
     return None if source is None else getattr(source, "is_input", False) is True
-
-
-def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None], indices: Sequence[int]) -> bool:
-    """Whether `tensors[i].data_ptr() == data_ptrs[i]` for every i in `indices` (`data_ptrs` has an
-    entry per tensor): in C++ on CUDA builds (what torch.compile's CUDA graphs check their static
-    inputs with), else in Python."""
-    query = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if query is not None:
-        return query(tensors, data_ptrs, indices)
-    return all(tensors[i].data_ptr() == data_ptrs[i] for i in indices)
-
-
-def current_stream_id(device_index: int) -> Any:
-    """A cheap, comparable identity of the current CUDA stream (torch.cuda.current_stream builds a
-    Stream object per call, which costs a few microseconds)."""
-    query = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if query is not None:
-        return query(device_index)
-    stream = torch.cuda.current_stream(device_index)
-    return stream.stream_id, stream.device_index, stream.device_type
-
-
-def stream_from_id(stream_id: Any) -> "torch.cuda.Stream":
-    """The stream that `current_stream_id` identified."""
-    return torch.cuda.Stream(stream_id=stream_id[0], device_index=stream_id[1], device_type=stream_id[2])
 
 
 def clear_cublas_workspaces() -> None:

@@ -134,35 +134,3 @@ def fx_tracing_flag_cleared() -> Iterator[None]:
             symbolic_trace._is_fx_tracing_flag = previous
     else:
         yield
-
-
-_PASSIVE_MODES = frozenset({"_AnalyzeCustomOpInputOutputMode"})
-"""Dispatch modes torch itself runs compiled code under that only look at ops, changing nothing (AOTAutograd
-runs every compiled forward under this one): a jitted function called under them runs its plan."""
-
-
-def _recording_mode_active() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(type(mode).__name__ not in _PASSIVE_MODES for mode in _get_current_dispatch_mode_stack())
-
-
-def _resolve_ops_are_transformed() -> Any:
-    modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    mode_active = (lambda: modes() > 0 and _recording_mode_active()) if modes is not None else (
-        lambda: _get_proxy_mode is not None and _get_proxy_mode() is not None)
-    transform_active = (lambda: peek() is not None) if peek is not None else (lambda: False)
-
-    def ops_are_transformed() -> bool:
-        """Whether the ops called now are recorded or transformed rather than only computed: a dispatch
-        mode is active (make_fx's proxy and fake-tensor modes while anything traces, any other
-        TorchDispatchMode but torch's own passive ones) or a torch.func transform runs (vmap, grad, ...). Two C calls of
-        torch's. Fallbacks: without the mode-stack length, only a make_fx trace is seen; without
-        functorch's interpreter stack, no transform is (a transform over a jitted function then fails
-        inside torch)."""
-        return mode_active() or transform_active()
-    return ops_are_transformed
-
-
-ops_are_transformed = _resolve_ops_are_transformed()

@@ -10,6 +10,7 @@ import torch.fx._symbolic_trace as symbolic_trace
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynaflow_fn import compat
+from dynaflow_fn.compat import calls as compat_calls
 from dynaflow_fn.compat import tracing as compat_tracing
 from dynaflow_fn.compat import modules as compat_modules
 from dynaflow_fn.errors import BackwardError, InputError, MetaKernelRejection
@@ -122,10 +123,10 @@ def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
         assert compat.torch_function_mode_active()
     finally:
         torch.set_default_device(None)
-    before, before_public = compat.matmul_settings(), compat._public_matmul_settings()
+    before, before_public = compat.matmul_settings(), compat_calls._public_matmul_settings()
     torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
     try:
-        assert compat.matmul_settings() != before and compat._public_matmul_settings() != before_public
+        assert compat.matmul_settings() != before and compat_calls._public_matmul_settings() != before_public
     finally:
         torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
     assert compat.matmul_settings() == before
@@ -133,14 +134,14 @@ def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
     monkeypatch.delattr(torch._C, "_len_torch_function_stack")
     assert (compat.any_autocast_enabled(), compat.torch_function_mode_active()) == fast
     monkeypatch.delattr(torch._C, "_get_cudnn_benchmark")
-    assert compat._resolve_matmul_settings() is compat._public_matmul_settings
+    assert compat_calls._resolve_matmul_settings() is compat_calls._public_matmul_settings
 
 
 def test_without_backward_and_its_fallback_raise_the_message(monkeypatch):
     weight = torch.randn(3, requires_grad=True)
     for fallback in (False, True):
         if fallback:
-            monkeypatch.setattr(compat, "_DelayedError", None)
+            monkeypatch.setattr(compat_calls, "_DelayedError", None)
         x = torch.randn(3)
         (y,) = compat.without_backward([x], b"no graph here")
         assert y.requires_grad and y.data_ptr() == x.data_ptr() and torch.equal(y.detach(), x)
@@ -490,7 +491,7 @@ def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monke
     assert seen == [False, True, True, True, True]
     monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
     monkeypatch.delattr(torch._C._functorch, "peek_interpreter_stack")
-    monkeypatch.setattr(compat, "ops_are_transformed", compat_tracing._resolve_ops_are_transformed())
+    monkeypatch.setattr(compat, "ops_are_transformed", compat_calls._resolve_ops_are_transformed())
     seen.clear()
     make_fx(probe)(torch.randn(2))
     torch.func.vmap(probe)(torch.randn(3, 2))
