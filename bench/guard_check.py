@@ -6,7 +6,7 @@
 A 16-layer MLP (LayerNorm + Linear per layer: 64 weight tensors), batch 1, called two ways: with its
 parameters as a dict (`fast(params, x)`: 65 tensor leaves to check) and with them closed over
 (`fast(x)`: one leaf and 64 closed-over tensors). Each is jitted twice in one process, its guard built
-with the C++ check (torch's guard manager, `jitting/fast_check.py`) and with the Python one
+with the C++ check (torch's guard manager, `jitting/guard.py`) and with the Python one
 (DYNAFLOW_PYTHON_GUARD=1, what every guard checked with before). For each it prints the microseconds of
 `Guard.admits` alone and of the whole call, under torch.no_grad (as a decoding loop calls), and the
 parts of a call that stay in Python either way: flattening the arguments, reading `call_state`, and
@@ -28,7 +28,7 @@ import torch
 import dynaflow_fn as df
 from bench.common import print_table
 from bench.overhead import LaunchBound
-from dynaflow_fn.jitting import fast_check
+from dynaflow_fn.jitting import guard as guard_module
 from dynaflow_fn.jitting.guard import Guard, call_state
 
 WIDTH, LAYERS = 64, 16
@@ -52,15 +52,15 @@ def best_us(fn: Callable[[], Any], calls: int, rounds: int = 7) -> float:
 @contextlib.contextmanager
 def python_check_forced(forced: bool) -> Iterator[None]:
     """Guards built inside check in Python (DYNAFLOW_PYTHON_GUARD=1) if `forced`, else in C++."""
-    previous = os.environ.pop(fast_check.PYTHON_GUARD_ENV, None)
+    previous = os.environ.pop(guard_module.PYTHON_GUARD_ENV, None)
     if forced:
-        os.environ[fast_check.PYTHON_GUARD_ENV] = "1"
+        os.environ[guard_module.PYTHON_GUARD_ENV] = "1"
     try:
         yield
     finally:
-        os.environ.pop(fast_check.PYTHON_GUARD_ENV, None)
+        os.environ.pop(guard_module.PYTHON_GUARD_ENV, None)
         if previous is not None:
-            os.environ[fast_check.PYTHON_GUARD_ENV] = previous
+            os.environ[guard_module.PYTHON_GUARD_ENV] = previous
 
 
 def jitted(fn: Callable[..., Any], args: tuple, backend: str) -> Callable[..., Any]:

@@ -5,6 +5,7 @@ import ast
 import builtins
 import collections
 import pathlib
+import sys
 
 import pytest
 
@@ -277,3 +278,56 @@ def builtin_raises(path: pathlib.Path) -> list[str]:
 def test_every_raise_is_one_of_the_package_error_classes():
     raises = [r for path in _modules() for r in builtin_raises(path)]
     assert not raises, "raise a class of dynaflow_fn/errors.py instead:\n" + "\n".join(raises)
+
+
+LATER_CALL_FILES = {"jitting/jitted.py", "jitting/guard.py", "jitting/replayer.py", "compat/calls.py"}
+"""The package's files a call that the last plan's guard admits runs Python in, before its runtime: the
+path to read when a call is slow. (A static leaf the C++ guard leaves to Python, a zero or NaN float
+or a dataclass, adds `ir/tree.py`, where its key is defined.)"""
+
+RUNTIME_FILES = {"eager": {"runtime/eager.py", "runtime/turns.py", "runtime/interpreter.py", "plan/plan.py"},
+                 "cudagraph": {"runtime/cudagraph.py", "runtime/turns.py"}}
+
+
+def _package_files_crossed(call):
+    crossed = set()
+
+    def profile(frame, event, arg):
+        path = pathlib.Path(frame.f_code.co_filename)
+        if event == "call" and PACKAGE in path.parents:
+            crossed.add(path.relative_to(PACKAGE).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return crossed
+
+
+def _later_call_files(device, backend, grad):
+    import torch
+    from torch import nn
+
+    import dynaflow_fn as df
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).to(device)
+    params = {"w": torch.randn(8, 8, device=device), "b": torch.randn(8, device=device)}
+    fast = df.jit(lambda params, x, scale: model(x @ params["w"] + params["b"]) * scale, backend=backend)
+    x = torch.randn(4, 8, device=device)
+    with torch.set_grad_enabled(grad):
+        fast(params, x, 0.5)
+        fast(params, x, 0.5)
+        return _package_files_crossed(lambda: fast(params, torch.randn(4, 8, device=device), 0.5))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_later_call_crosses_four_files_before_its_runtime(grad):
+    crossed = _later_call_files("cpu", "eager", grad)
+    assert "jitting/jitted.py" in crossed and crossed - RUNTIME_FILES["eager"] <= LATER_CALL_FILES, crossed
+
+
+@pytest.mark.cuda
+def test_a_later_call_on_the_cudagraph_runtime_crosses_six_files():
+    crossed = _later_call_files("cuda", "cudagraph", grad=True)
+    assert "runtime/cudagraph.py" in crossed and crossed <= LATER_CALL_FILES | RUNTIME_FILES["cudagraph"], crossed

@@ -27,12 +27,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Sequence
 
-import optree
 import torch
 from torch import fx
 
-from ..ir.tree import Flat
-from ..jitting.binding import picker
+from ..ir.tree import Flat, picker
 from ..jitting.call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from ..jitting.guard import call_state
 from ..jitting.jitted import Jitted

@@ -9,7 +9,7 @@ to the Plan unchanged, and both read it through `HasSignature`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import optree
 import torch
@@ -65,6 +65,14 @@ class Signature:
         """The returned pytree from the flat output tensors, with the static outputs in their places."""
         leaves = [tensors[o.tensor_index] if o.tensor_index is not None else o.static_value for o in self.outputs]
         return optree.tree_unflatten(self.out_tree, leaves)
+
+    def output_builder(self) -> Callable[[Sequence[Any]], Any]:
+        """`unflatten_outputs` as one C call (the output pytree's own `unflatten`) when every returned
+        leaf is the next flat tensor, as it is unless the function returns static values or one tensor
+        twice: the per-call path of a jitted function ends here."""
+        if all(o.tensor_index == k for k, o in enumerate(self.outputs)):
+            return self.out_tree.unflatten
+        return self.unflatten_outputs
 
 
 def device_of(tensors: Iterable[Any]) -> torch.device:

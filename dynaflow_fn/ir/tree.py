@@ -13,6 +13,7 @@ import functools
 import inspect
 import keyword
 import math
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
@@ -49,6 +50,15 @@ class Flat:
     @functools.cached_property
     def paths(self) -> list[tuple]:
         return self.treedef.paths()
+
+
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """`lambda items: [items[i] for i in positions]` as one C call (an `operator.itemgetter`), for
+    the per-call path: a tuple of several items, a one-item slice for one, an empty slice for none."""
+    positions = list(positions)
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
 
 
 class StaticKey(NamedTuple):

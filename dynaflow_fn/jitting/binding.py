@@ -13,27 +13,16 @@ second move (see `replayer`).
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from ..ir.tree import TensorSpec
+from ..ir.tree import TensorSpec, picker
 from ..plan.plan import Plan
 from ..tracing.gradients import GradientFlow
 from .inputs import TensorInputs
 from .object_watch import ObjectWatch
 from .state import is_state
-
-
-def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
-    """A fast `lambda items: tuple(items[i] for i in positions)`."""
-    if len(positions) > 1:
-        return operator.itemgetter(*positions)
-    if positions:
-        only = positions[0]
-        return lambda items: (items[only],)
-    return lambda items: ()
 
 
 class Binding:
@@ -60,7 +49,7 @@ class Binding:
         self.differentiable = [(i, depends[i]) for i, slot in enumerate(plan.output_slots)
                                if slot not in returned_inputs and depends[i]]   # output, the inputs it comes from
         self.updated_under_grad = gradient_flow.updated if gradient_flow is not None else ()
-        self.only_output = plan.out_tree.is_leaf() and len(plan.outputs) == 1 and plan.outputs[0].tensor_index == 0
+        self.build_outputs = plan.signature.output_builder()   # the call's return value from the flat outputs
 
     def stale(self) -> bool:
         """Whether a closed-over tensor has changed layout, or a hook it was traced with is gone: this
@@ -68,20 +57,9 @@ class Binding:
         return (any(TensorSpec.of(t) != spec for t, spec in zip(self.closed_over, self.closed_over_specs))
                 or self.watch.dead())
 
-    def tensors_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
-        """The plan's tensor inputs for a call with these leaves: the argument tensors, then the closed-over ones."""
-        tensors = list(self.pick_tensors(leaves))
-        if self.closed_over:
-            tensors += self.closed_over
-        return tensors
-
     def resident(self, tensors: Sequence[torch.Tensor], copied_anyway: set[int] = frozenset()) -> list[bool]:
         """Per input, whether a CUDA graph reads it at its own address: declared resident or model state,
         on the plan's device, and not among the inputs that keep moving (`copied_anyway`)."""
         device = self.plan.device
         return [(i in self.declared_resident or is_state(t)) and t.device == device and i not in copied_anyway
                 for i, t in enumerate(tensors)]
-
-    def outputs(self, tensors: list[torch.Tensor]) -> Any:
-        """The call's return value from the plan's flat output tensors."""
-        return tensors[0] if self.only_output else self.plan.unflatten_outputs(tensors)

@@ -14,22 +14,38 @@ A plan is built from one call's arguments and from Python state that tracing and
 
 Building the full key costs about half a microsecond per leaf, as long as a replay for a decode step
 with hundreds of weights, so a call first asks the `Guard` of the plan used last, which compares the
-same fields against the call that built it: in one C++ call where torch has its guard manager
-(`fast_check`), in Python otherwise.
+same fields against the call that built it. The comparison is most of what df.jit adds to a call, so
+it runs in one C++ call where torch has its guard manager (`native_check`: torch.compile's guards,
+`compat.leaf_checker`, about a tenth of Python's cost), in Python otherwise. What the C++ check
+compares, with the meaning `Guard` gives each part:
+
+* every tensor leaf, and every tensor the function closes over, by layout: TENSOR_MATCH compares the
+  shape, strides, dtype and device, and also the Python type, dispatch keys and requires_grad, so a
+  call that differs only there is checked in full and then runs the same plan;
+* static leaves of the types whose `==` is their `static_key` equality (`_EQUAL_BY_KEY`: ints, bools,
+  strings, bytes, dtypes, devices, and floats other than zeros and NaN), by exact type and `==`. The
+  others are left to Python (`NativeCheck.python_positions`): `==` calls -0.0 equal to 0.0 and no
+  NaN equal to another, and a dataclass compares its float fields the same lossy way;
+* the `training` flag of every module whose flag the trace read.
+
+The pytree structure and `call_state` are compared in Python (a fraction of a microsecond, and about
+a microsecond to read the state). DYNAFLOW_PYTHON_GUARD=1 builds every guard with the Python check
+instead, to compare the two or to rule this one out.
 """
 
 from __future__ import annotations
 
 import operator
+import os
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import compat
 from ..errors import GradientError, InputError
-from ..ir.tree import leaf_key
-from . import fast_check
-from .binding import picker
+from ..ir.tree import leaf_key, picker
+from . import object_watch
 
 _TRAINING = operator.attrgetter("training")
 
@@ -53,6 +69,45 @@ def call_state() -> tuple:
     return _default_dtype(), _deterministic(), _matmul(), autocast, modes
 
 
+PYTHON_GUARD_ENV = "DYNAFLOW_PYTHON_GUARD"
+
+_EQUAL_BY_KEY = frozenset({int, bool, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
+@dataclass(frozen=True)
+class NativeCheck:
+    """A C++ check of `(leaves, fixed)`: a call's leaves, and the modules and closed-over tensors it was
+    built with (`fixed`, in that order), except for the static leaves at `python_positions`, which the
+    caller compares by key. The caller passes the pair, so that the call runs no Python here."""
+
+    check: Callable[[Sequence[Any]], bool]
+    python_positions: tuple[int, ...]
+
+
+def native_check(leaves: Sequence[Any], modules: Sequence[torch.nn.Module],
+                 closed_over: Sequence[torch.Tensor]) -> NativeCheck | None:
+    """The C++ check of calls like this one, or None where torch's guards are unavailable (or
+    DYNAFLOW_PYTHON_GUARD=1): the caller then checks everything in Python."""
+    if os.environ.get(PYTHON_GUARD_ENV) == "1":
+        return None
+    native = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or _equal_by_key(leaf)]
+    chosen = set(native)
+    python_positions = tuple(i for i in range(len(leaves)) if i not in chosen)
+    fixed = (*modules, *closed_over)
+    checks = [compat.LeafCheck((0, i)) for i in native]
+    checks += [compat.LeafCheck((1, k), "training") for k in range(len(modules))]
+    checks += [compat.LeafCheck((1, k)) for k in range(len(modules), len(fixed))]
+    check = compat.leaf_checker((list(leaves), fixed), checks)
+    return None if check is None else NativeCheck(check, python_positions)
+
+
+def _equal_by_key(leaf: Any) -> bool:
+    """Whether `a == leaf` with `type(a) is type(leaf)` means `static_key(a) == static_key(leaf)`."""
+    if type(leaf) is float:
+        return leaf != 0.0 and leaf == leaf                    # not a zero (signed), not a NaN
+    return type(leaf) in _EQUAL_BY_KEY
+
+
 class Guard:
     """Whether a call fits the call that made this guard, cheaply, and with the meaning of a full lookup.
 
@@ -62,8 +117,9 @@ class Guard:
     device. A tensor read in place may be another tensor object with the same layout; the executable
     checks its address and captures again if it moved. A changed layout is seen however it was made
     (`resize_`, `t_()`, `t.data = v` with `v` anywhere). One C++ call checks all of it where torch has
-    its guard manager (`fast_check`); Python compares the same fields otherwise. The `watch` (an
-    `object_watch.ObjectWatch`) says whether the modules' Python state is still as traced: one counter.
+    its guard manager (`native_check`); Python compares the same fields otherwise. The `watch` (an
+    `object_watch.ObjectWatch`) says whether the modules' Python state is still as traced: while the
+    process-wide counter of module changes has not moved, comparing it here says it all.
     """
 
     def __init__(self, treedef: Any, leaves: Sequence[Any], state: tuple, modules: Sequence[torch.nn.Module] = (),
@@ -71,36 +127,42 @@ class Guard:
         self.treedef = treedef
         self.state = state
         self.watch = watch if watch is not None and watch.watches_anything else None
-        native = fast_check.native_check(leaves, modules, closed_over)
+        self.modules_only = self.watch is not None and not self.watch.instances   # then the counter says it all
+        self.fixed = (*modules, *closed_over)
+        native = native_check(leaves, modules, closed_over)
         if native is None:
-            self.leaves_fit = _python_check(leaves, modules, closed_over)
+            self.fit = _python_check(leaves, modules, closed_over)
         elif native.python_positions:
-            self.leaves_fit = _with_python_leaves(native, leaves)
+            self.fit = _with_python_leaves(native, leaves)
         else:
-            self.leaves_fit = native.check
+            self.fit = native.check
 
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
-        return (treedef == self.treedef and state == self.state and self.leaves_fit(leaves)
-                and (self.watch is None or self.watch.unchanged()))
+        watch = self.watch
+        return (treedef == self.treedef and state == self.state and self.fit((leaves, self.fixed))
+                and (watch is None or (watch.tick == object_watch.changes.tick and self.modules_only)
+                     or watch.unchanged()))
 
 
 def _python_check(leaves: Sequence[Any], modules: Sequence[torch.nn.Module],
-                  closed_over: Sequence[torch.Tensor]) -> Callable[[Sequence[Any]], bool]:
-    """The check of `Guard` in Python: every field compared as the cache key compares it."""
-    modules, closed_over = list(modules), list(closed_over)
+                  closed_over: Sequence[torch.Tensor]) -> Callable[[tuple], bool]:
+    """The check of `Guard` in Python, of a call's `(leaves, fixed)`: every field compared as the cache
+    key compares it."""
+    count = len(modules)
     expected = _keys(leaves), list(map(_TRAINING, modules)), _keys(closed_over)
 
-    def check(leaves: Sequence[Any]) -> bool:
-        return (_keys(leaves) == expected[0] and list(map(_TRAINING, modules)) == expected[1]
-                and _keys(closed_over) == expected[2])
+    def check(call: tuple) -> bool:
+        leaves, fixed = call
+        return (_keys(leaves) == expected[0] and list(map(_TRAINING, fixed[:count])) == expected[1]
+                and _keys(fixed[count:]) == expected[2])
     return check
 
 
-def _with_python_leaves(native: fast_check.NativeCheck, leaves: Sequence[Any]) -> Callable[[Sequence[Any]], bool]:
+def _with_python_leaves(native: NativeCheck, leaves: Sequence[Any]) -> Callable[[tuple], bool]:
     """The C++ check, and the static leaves it leaves out compared by key in Python."""
     pick, check = picker(native.python_positions), native.check
     expected = _keys(pick(leaves))
-    return lambda leaves: check(leaves) and _keys(pick(leaves)) == expected
+    return lambda call: check(call) and _keys(pick(call[0])) == expected
 
 
 def _keys(leaves: Sequence[Any]) -> tuple:

@@ -40,12 +40,11 @@ from . import autotune, methods
 from .binding import Binding
 from .bucketing import Bucketing
 from .call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
-from .cold_start import ColdStart
 from .guard import call_state, modes_unchanged
 from .inputs import TensorInputs
 from .object_watch import ObjectWatch
 from .options import JitOptions
-from .pipeline import Pipeline
+from .pipeline import ColdStart, Pipeline
 from .replayer import Replayer
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

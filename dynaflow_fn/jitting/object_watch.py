@@ -46,7 +46,7 @@ class _Changes:
     tick = 0
 
 
-_changes = _Changes()
+changes = _Changes()
 _ticks = itertools.count(1)
 _watched: dict[int, Any] = {}
 """id -> a watched module (a weak reference) or one of its dicts: the owners whose changes move the counter."""
@@ -54,7 +54,7 @@ _watched: dict[int, Any] = {}
 
 def _note_change(owner: Any, attribute: Any) -> None:
     if attribute != "training" and (owner is None or id(owner) in _watched):
-        _changes.tick = next(_ticks)
+        changes.tick = next(_ticks)
 
 
 _observed = compat.observe_module_changes(_note_change)
@@ -118,7 +118,7 @@ class ObjectWatch:
         self.instances = tuple(o for o in roots if not isinstance(o, torch.nn.Module) and hasattr(o, "__dict__"))
         for module in self.modules:
             _watch(module)
-        self.tick = _changes.tick if _observed else None   # read before the fingerprint: later changes are seen
+        self.tick = changes.tick if _observed else None   # read before the fingerprint: later changes are seen
         self._differs_at: int | None = None                # a tick at which the modules were found changed
         self._keep: list[Any] = []
         self._modules = self._modules_now(self._keep)
@@ -134,7 +134,7 @@ class ObjectWatch:
     def unchanged(self) -> bool:
         """Whether the watched state is as traced: the counter's comparison, then the instances'
         attributes by identity; fingerprinted again only when either differs."""
-        return ((self.tick == _changes.tick or self._modules_unchanged())
+        return ((self.tick == changes.tick or self._modules_unchanged())
                 and (not self.instances or self._same_instances() or self._instances_unchanged()))
 
     def dead(self) -> bool:
@@ -143,7 +143,7 @@ class ObjectWatch:
         return any(any(i not in getattr(owner, name, ()) for i in ids) for owner, name, ids in self._hooks)
 
     def _modules_unchanged(self) -> bool:
-        tick = _changes.tick
+        tick = changes.tick
         if tick == self._differs_at and _observed:
             return False
         if self._modules_now([]) != self._modules:

@@ -23,9 +23,9 @@ from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from ..runtime.shared_pool import SharedPool
 from .binding import Binding
-from .cold_start import ColdStart
 from .guard import Guard, check_no_aliasing, check_updates_allowed
 from .options import CUDAGRAPH
+from .pipeline import ColdStart
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -53,16 +53,25 @@ class Replayer:
                             f"df.grad return the gradients), or call it under torch.no_grad() when no gradient "
                             f"is needed.").encode()
         self._building = threading.Lock()              # threads arriving at once capture once
+        self._pick_tensors, self._closed_over = binding.pick_tensors, binding.closed_over
+        self._build_outputs = binding.build_outputs
 
     @property
     def plan(self) -> Any:
         return self.binding.plan
 
+    def tensors_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        """The plan's tensor inputs for a call with these leaves: the argument tensors, then the closed-over ones."""
+        tensors = list(self._pick_tensors(leaves))
+        if self._closed_over:
+            tensors += self._closed_over
+        return tensors
+
     # --- the ways to run --------------------------------------------------------------------------
 
     def call(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
         """Run on leaves whose full signature, state and modes are this plan's; guard calls like it."""
-        outputs = self.run(self.binding.tensors_of(leaves), rebuild_if_moved=True)
+        outputs = self.run(self.tensors_of(leaves), rebuild_if_moved=True)
         self.guard = self._guard(treedef, leaves, state)
         return outputs
 
@@ -71,18 +80,18 @@ class Replayer:
         memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. The
         guard vouches that its versioned inputs are the tensors of a call already checked for
         aliasing, unchanged, so only the others are compared with what the plan writes."""
-        return self.run(self.binding.tensors_of(leaves), rebuild_if_moved=False, aliasing_others=self.changing)
+        return self.run(self.tensors_of(leaves), rebuild_if_moved=False, aliasing_others=self.changing)
 
     def prepare(self, leaves: Sequence[Any]) -> None:
         """Build the executable (capture its graph) for calls like this one, without running it."""
         if self.executable is None:
-            self._build(self.binding.tensors_of(leaves), None, None)
+            self._build(self.tensors_of(leaves), None, None)
 
     def benchmark(self, leaves: Sequence[Any]) -> Callable[[], Any]:
         """A call on the given arguments that leaves them unchanged: inputs the plan writes (donated,
         mutated) are replaced by copies, so timing it many times has no effect outside. What is
         resident is decided on the caller's tensors, not on the copies."""
-        tensors = self.binding.tensors_of(leaves)
+        tensors = self.tensors_of(leaves)
         resident = self.binding.resident(tensors, self.copied_anyway)
         for i in self.binding.written:
             tensors[i] = tensors[i].clone()
@@ -108,7 +117,7 @@ class Replayer:
             outputs = self._build(tensors, executable, resident)(tensors)
         if torch.is_grad_enabled() and binding.differentiable and any(map(_REQUIRES_GRAD, tensors)):
             outputs = self._without_backward(outputs, tensors)
-        return binding.outputs(outputs)
+        return self._build_outputs(outputs)
 
     # --- building ---------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from dynaflow_fn.ir.progress import MININTERVAL_S, progress_bar
-from dynaflow_fn.jitting import cold_start
+from dynaflow_fn.jitting import pipeline
 
 
 class Terminal(io.StringIO):
@@ -50,7 +50,7 @@ def test_on_a_terminal_a_bar_redraws_at_most_every_mininterval():
 
 
 def test_a_jitted_train_step_run_many_times_writes_two_lines_to_a_log(monkeypatch):
-    monkeypatch.setattr(cold_start, "SHOW_AFTER_S", 0.0)       # the first call's bar is shown too
+    monkeypatch.setattr(pipeline, "SHOW_AFTER_S", 0.0)       # the first call's bar is shown too
     forward, params = df.pure(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)))
     params = {name: p.detach() for name, p in params.items()}
     optimizer = df.optim.adamw(lr=1e-2)

@@ -3,8 +3,8 @@
 import io
 import sys
 
-from dynaflow_fn.jitting import cold_start
-from dynaflow_fn.jitting.cold_start import ColdStart
+from dynaflow_fn.jitting import pipeline
+from dynaflow_fn.jitting.pipeline import ColdStart
 
 
 def _first_call(name: str) -> ColdStart:
@@ -27,7 +27,7 @@ class _Terminal(io.StringIO):
 
 
 def test_a_slow_first_call_names_its_phases_on_a_terminal_and_their_seconds(monkeypatch):
-    monkeypatch.setattr(cold_start, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(pipeline, "SHOW_AFTER_S", 0.0)
     monkeypatch.setattr(sys, "stderr", terminal := _Terminal())
     _first_call("slow")
     shown = terminal.getvalue()
@@ -36,7 +36,7 @@ def test_a_slow_first_call_names_its_phases_on_a_terminal_and_their_seconds(monk
 
 
 def test_a_slow_first_call_leaves_one_line_in_a_log(monkeypatch, capsys):
-    monkeypatch.setattr(cold_start, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(pipeline, "SHOW_AFTER_S", 0.0)
     _first_call("slow")
     shown = capsys.readouterr().err
     assert shown.replace("\r", "") == "df.jit(slow), trace 0.0s, inductor 0.0s, lower 0.0s, capture 0.0s\n"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import dynaflow_fn as df
-from dynaflow_fn.jitting import fast_check
+from dynaflow_fn.jitting import guard as guard_module
 from dynaflow_fn.jitting.guard import Guard, call_state
 
 
@@ -18,9 +18,9 @@ from dynaflow_fn.jitting.guard import Guard, call_state
 def check_path(request, monkeypatch):
     """Every guard built in the test checks in C++ ("native") or in Python ("python")."""
     if request.param == "python":
-        monkeypatch.setenv(fast_check.PYTHON_GUARD_ENV, "1")
+        monkeypatch.setenv(guard_module.PYTHON_GUARD_ENV, "1")
     else:
-        monkeypatch.delenv(fast_check.PYTHON_GUARD_ENV, raising=False)
+        monkeypatch.delenv(guard_module.PYTHON_GUARD_ENV, raising=False)
     return request.param
 
 
@@ -35,7 +35,7 @@ def _admits(guard, *args):
 
 
 def test_this_torch_checks_in_cpp():
-    check = fast_check.native_check([torch.randn(2), 3, 0.0], [nn.Dropout()], [torch.randn(2)])
+    check = guard_module.native_check([torch.randn(2), 3, 0.0], [nn.Dropout()], [torch.randn(2)])
     assert check is not None and check.python_positions == (2,)
 
 
