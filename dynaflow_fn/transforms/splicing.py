@@ -163,7 +163,8 @@ def _disagreement(want: torch.Tensor, have: torch.Tensor, exact: torch.Tensor | 
         return None
     if not (want.dtype.is_floating_point or want.dtype.is_complex):
         bad = have != want
-        return f"{_at_worst(bad.to(torch.float64), bad, want, have)}; integers must be equal)" if bad.any() else None
+        error = (have.double() - want.double()).abs()
+        return f"{_at_worst(error, bad, want, have)}; integer and bool outputs must be equal)" if bad.any() else None
     if exact is not None and exact.dtype in (torch.float64, torch.complex128):
         own = float(_error(want, exact).max())
         if own < float("inf"):                     # else the region overflows (or is NaN) where float64 is not
