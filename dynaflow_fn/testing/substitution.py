@@ -19,9 +19,9 @@ def check_substitution(fn: Callable[..., Any], rules: Mapping[Rule, Callable[...
 
     Each draw (see `assert_equivalent`; `in_axes` names the batch axes to vary, as `T.microbatch`
     takes it) traces the substitution for the draw's shapes with `check=True`, so every matched
-    region and its implementation are first compared on random inputs of exactly those shapes (a
-    TransformError shows the largest difference), then runs the jitted function against `fn` within
-    the dtype's tolerance. An implementation right only for the example's shapes fails on an edge
-    shape (a batch of one, an uneven split)."""
+    region and its implementation are first compared on random inputs of exactly those shapes, against
+    the region run in float64 (a TransformError shows the largest difference), then runs the jitted
+    function against `fn` within the dtype's tolerance. An implementation right only for the
+    example's shapes fails on an edge shape (a batch of one, an uneven split)."""
     substituted = substitute(fn, dict(rules), check=True, tolerances=tolerances)
     assert_equivalent(fn, substituted, *example_args, draws=draws, in_axes=in_axes, seed=seed, **example_kwargs)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ..errors import TransformError
+from ..errors import KERNEL_ERRORS, TransformError
 from ..ir import ops
 from ..ir.formatting import op_name, type_str
 from ..ir.program import NodeInfo, Program, info
@@ -26,9 +26,24 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-7, 1e-7), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
     torch.bfloat16: (5e-2, 1e-2),
 }
-"""(rtol, atol) per dtype for `check=True`: loose enough for another order of summation (a fused or
-split-K kernel) on random inputs, tight enough to catch a different computation. Integer and bool
-outputs must be equal."""
+"""(rtol, atol) per dtype for `check=True`, which runs the region and the implementation on the same
+random inputs and judges each floating output against the region run again in float64 (its floating
+inputs and the floating dtypes its ops name widened): the implementation may err by `ERROR_SLACK`
+times what the region itself errs plus `rtol` times the output's largest magnitude. Another order of
+summation (a fused, split-K or chunked kernel) errs about as much as the original, however long the
+reduction, which an absolute atol cannot follow; the magnitude term covers an original that happens
+to round exactly or sums more accurately (sequential float32 accumulation of n terms errs by about
+1e-7 * sqrt(n) of the output's magnitude, within 1e-4 up to n ~ 1e6). A different computation (a
+missing scale, a wrong mask, a transposed operand) errs by a fraction of that magnitude. Where the
+region cannot run in float64 (an op without a float64 kernel), each element of the implementation's
+output is compared with the region's, `|got - want| <= atol + rtol * |want|`; so is an output the
+region over- or underflows (or makes NaN) where float64 does not. A float64 region is its own
+reference: the implementation may differ by rtol of the output's magnitude. Integer and bool outputs
+must be equal."""
+
+ERROR_SLACK = 4.0
+"""How many times the region's own error (against float64) an implementation may err: two correct
+orders of summation differ in error by a small factor, a different computation by orders of magnitude."""
 
 
 class RegionMatch:
@@ -124,38 +139,116 @@ def splice(graph_module: fx.GraphModule, match: RegionMatch, replacement: Progra
 
 def check_agrees(graph_module: fx.GraphModule, match: RegionMatch, impl: Callable[..., Any], rule: str,
                  tolerances: dict[torch.dtype, tuple[float, float]]) -> None:
-    """Run the region and `impl` on random inputs of the traced shapes; raise unless they agree."""
-    original = _extract(graph_module, match)
+    """Run the region and `impl` on random inputs of the traced shapes, and the region again in float64
+    as the exact answer; raise unless `impl` comes as close to it as DEFAULT_TOLERANCES says."""
     inputs = [_random_like(node.meta["val"], graph_module, node) for node in match.inputs]
     with torch.no_grad():
-        expected = original(*inputs)
+        expected = list(_extract(graph_module, match)(*inputs))
         got = impl(*inputs)
+        exact = _in_float64(_extract(graph_module, match, widen=True), inputs)
     got = list(got) if isinstance(got, (tuple, list)) else [got]
     for index, (want, have) in enumerate(zip(expected, got)):
         rtol, atol = tolerances.get(want.dtype, (0.0, 0.0))
-        if want.dtype.is_floating_point or want.dtype.is_complex:
-            difference = (have.double() - want.double()).abs()
-            allowed = atol + rtol * want.double().abs()
-            bad = ~(difference <= allowed) & ~(torch.isnan(want) & torch.isnan(have))
-        else:
-            difference = (have != want).to(torch.float64)
-            bad = difference > 0
-        if bad.any():
-            worst = int(torch.argmax(torch.where(bad, difference, torch.zeros_like(difference))))
-            position = [int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)]
-            raise TransformError(
-                f"the implementation for {rule} disagrees with the region it replaces on random inputs: output "
-                f"{index} ({type_str(want)}) differs by up to {float(difference[bad].max()):.3g} (at index "
-                f"{position}: {want.flatten()[worst].item():.6g} expected, {have.flatten()[worst].item():.6g} "
-                f"returned; tolerance rtol={rtol}, atol={atol})")
+        problem = _disagreement(want, have, exact[index] if exact is not None else None, rtol, atol)
+        if problem:
+            raise TransformError(f"the implementation for {rule} disagrees with the region it replaces on random "
+                                 f"inputs: output {index} ({type_str(want)}) differs by up to {problem}")
 
 
-def _extract(graph_module: fx.GraphModule, match: RegionMatch) -> fx.GraphModule:
-    """The region alone, as a module taking its inputs and returning its outputs."""
+def _disagreement(want: torch.Tensor, have: torch.Tensor, exact: torch.Tensor | None, rtol: float,
+                  atol: float) -> str | None:
+    """How far output `have` is off, where the region computed `want` (and `exact` in float64, None
+    where it could not), and what was allowed; None when it is close enough."""
+    if want.numel() == 0:
+        return None
+    if not (want.dtype.is_floating_point or want.dtype.is_complex):
+        bad = have != want
+        error = (have.double() - want.double()).abs()
+        return f"{_at_worst(error, bad, want, have)}; integer and bool outputs must be equal)" if bad.any() else None
+    if exact is not None and exact.dtype in (torch.float64, torch.complex128):
+        own = float(_error(want, exact).max())
+        if own < float("inf"):                     # else the region overflows (or is NaN) where float64 is not
+            return _against_exact(want, have, exact, own, rtol)
+    error = _error(have, want)
+    bad = error > atol + rtol * _finite(want).abs()
+    if not bad.any():
+        return None
+    return (f"{_at_worst(error, bad, want, have)}; tolerance rtol={rtol}, atol={atol}, elementwise: the region "
+            f"has no float64 run to compare with)")
+
+
+def _against_exact(want: torch.Tensor, have: torch.Tensor, exact: torch.Tensor, own: float,
+                   rtol: float) -> str | None:
+    """`have` judged by its error against the float64 `exact`, where the region errs by `own`."""
+    magnitude = float(_finite(exact).abs().max())
+    allowed = ERROR_SLACK * own + rtol * magnitude
+    error = _error(have, exact)
+    bad = error > allowed
+    if not bad.any():
+        return None
+    return (f"{_at_worst(error, bad, want, have, exact)}) from the region run in float64, which allows "
+            f"{ERROR_SLACK:g} x {own:.3g} (the region's own error) + rtol {rtol} x {magnitude:.3g} (the output's "
+            f"largest magnitude) = {allowed:.3g}")
+
+
+def _at_worst(error: torch.Tensor, bad: torch.Tensor, want: torch.Tensor, have: torch.Tensor,
+              exact: torch.Tensor | None = None) -> str:
+    """`X (at index [i, j]: ` and what was computed there, for the largest error X of the `bad` elements."""
+    worst = int(torch.argmax(torch.where(bad, error, -1.0)))
+    position = [int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape)]
+    head = f"{float(error[bad].max()):.3g} (at index {position}: "
+    want_value, have_value, exact_value = (f"{value.flatten()[worst].item():.6g}" if value is not None else ""
+                                           for value in (want, have, exact))
+    if exact is None:
+        return f"{head}{want_value} expected, {have_value} returned"
+    return f"{head}{have_value} returned; the region computes {want_value}, in float64 {exact_value}"
+
+
+def _error(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """|got - reference| per element, in double precision: 0 where both are equal (infinities too) or
+    NaN, infinite where only one of them is NaN or infinite."""
+    got, reference = _wide(got), _wide(reference)
+    error = (got - reference).abs()
+    same = (got == reference) | (torch.isnan(got) & torch.isnan(reference))
+    return torch.where(same, 0.0, torch.where(torch.isnan(error), float("inf"), error))
+
+
+def _finite(value: torch.Tensor) -> torch.Tensor:
+    """`value` with its infinities and NaNs as 0: they have no magnitude to scale a tolerance by."""
+    return torch.where(torch.isfinite(value), value, 0)
+
+
+def _in_float64(widened: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The widened region's outputs on `inputs` taken to float64; None where one of its ops has no
+    kernel for the wider dtype (a custom op, a kernel for half precision only)."""
+    try:
+        return list(widened(*[_wide(value) for value in inputs]))
+    except KERNEL_ERRORS:
+        return None
+
+
+def _wide(value: Any) -> Any:
+    """float64 (complex128) for a floating (complex) dtype or tensor; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(_wide(value.dtype))
+    if isinstance(value, torch.dtype) and value.is_complex:
+        return torch.complex128
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return torch.float64
+    return value
+
+
+def _extract(graph_module: fx.GraphModule, match: RegionMatch, widen: bool = False) -> fx.GraphModule:
+    """The region alone, as a module taking its inputs and returning its outputs. `widen`: every
+    floating dtype its ops name (a cast, a factory's dtype) becomes float64, so that on float64 inputs
+    it computes in float64 throughout; a view of the bits as another dtype stays as it is."""
     graph = fx.Graph()
     env = {node: graph.placeholder(node.name) for node in match.inputs}
     for node in match.nodes:
-        env[node] = graph.node_copy(node, lambda arg: env[arg])
+        env[node] = copied = graph.node_copy(node, lambda arg: env[arg])
+        if widen and copied.target != torch.ops.aten.view.dtype:
+            copied.args = tuple(_wide(arg) for arg in copied.args)
+            copied.kwargs = {key: _wide(value) for key, value in copied.kwargs.items()}
     graph.output([env[node] for node in match.outputs])
     return fx.GraphModule(graph_module, graph)
 

@@ -10,7 +10,9 @@ block: `impl` is called with the tensors the block reads from outside, in the or
 reads them, and returns what the block produced that later code reads, in the order the block
 computed them (one tensor, or a tuple). The Program's provenance line names both lists. In both cases the outputs' shapes, dtypes and strides
 must be the original's, checked while tracing; `check=True` also runs each region and its `impl`
-on random inputs of the traced shapes and requires them to agree within a tolerance per dtype.
+on random inputs of the traced shapes, and the region once more in float64 as the exact answer:
+`impl` may err against it by a few times what the region itself errs plus a fraction (rtol) of the
+output's largest magnitude, so any correct order of summation passes however long the reduction.
 
 `impl` may be any traceable PyTorch code: aten ops, `torch.nn.functional`, a
 `torch.library.custom_op` with a fake implementation (a Triton kernel wrapped as one). Substituted
@@ -55,11 +57,14 @@ def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None =
         transform to apply later.
     rules: `{T.Module(cls_or_regex): impl(module, *args, **kwargs), T.Region(name): impl(*inputs)}`.
         Every rule must match at least once.
-    check: run each matched region and its impl on random inputs and require agreement within
-        `tolerances`, raising a TransformError that shows the largest difference otherwise. Module
-        rules are checked for output layouts only: their original runs inside the module, on the
-        trace's values.
-    tolerances: `{dtype: (rtol, atol)}` for `check`; the defaults are
+    check: run each matched region and its impl on random inputs, and the region in float64 as the
+        exact answer; each floating output of impl may err against it by 4 times the region's own
+        error plus rtol times the output's largest magnitude (elementwise within rtol and atol of the
+        region's output where the region cannot run in float64), integer and bool outputs must be
+        equal. Otherwise a TransformError shows the largest difference, where, and what was allowed.
+        Module rules are checked for output layouts only: their original runs inside the module, on
+        the trace's values.
+    tolerances: `{dtype: (rtol, atol)}` for `check`; the defaults and the criterion are
         `dynaflow_fn.transforms.splicing.DEFAULT_TOLERANCES`.
     """
     if rules is None and isinstance(fn, Mapping):
