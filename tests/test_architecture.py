@@ -305,7 +305,7 @@ def _package_files_crossed(call):
     return crossed
 
 
-def _later_call_files(device, backend, grad):
+def _jitted_model(device, backend):
     import torch
     from torch import nn
 
@@ -314,7 +314,13 @@ def _later_call_files(device, backend, grad):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).to(device)
     params = {"w": torch.randn(8, 8, device=device), "b": torch.randn(8, device=device)}
     fast = df.jit(lambda params, x, scale: model(x @ params["w"] + params["b"]) * scale, backend=backend)
-    x = torch.randn(4, 8, device=device)
+    return fast, params, torch.randn(4, 8, device=device)
+
+
+def _later_call_files(device, backend, grad):
+    import torch
+
+    fast, params, x = _jitted_model(device, backend)
     with torch.set_grad_enabled(grad):
         fast(params, x, 0.5)
         fast(params, x, 0.5)
@@ -325,6 +331,13 @@ def _later_call_files(device, backend, grad):
 def test_a_later_call_crosses_four_files_before_its_runtime(grad):
     crossed = _later_call_files("cpu", "eager", grad)
     assert "jitting/jitted.py" in crossed and crossed - RUNTIME_FILES["eager"] <= LATER_CALL_FILES, crossed
+
+
+def test_a_first_call_crosses_at_most_nine_files_of_jitting():
+    fast, params, x = _jitted_model("cpu", "eager")
+    crossed = _package_files_crossed(lambda: fast(params, x, 0.5))
+    jitting = {path for path in crossed if path.startswith("jitting/")}
+    assert "jitting/pipeline.py" in jitting and len(jitting) <= 9, sorted(jitting)
 
 
 @pytest.mark.cuda
