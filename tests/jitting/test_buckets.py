@@ -193,6 +193,33 @@ def test_functions_whose_rows_interact_warn_as_microbatching_does(make, expected
     assert (texts == []) if expected is None else (len(texts) == 1 and expected in texts[0]), texts
 
 
+@pytest.mark.parametrize("fn, op", [
+    (lambda x: x.flip(0) * 2, "aten.flip"),
+    (lambda x: x.roll(1, 0), "aten.roll"),
+    (lambda x: x.sort(0).values, "aten.sort"),
+    (lambda x: x.gather(0, torch.full_like(x, x.shape[0] - 1, dtype=torch.long)), "aten.gather"),
+], ids=["flip", "roll", "sort", "gather-last-row"])
+def test_functions_that_move_rows_along_the_batch_axis_warn(fn, op):
+    """Padded rows land among the real ones: a flipped batch of 3 padded to 4 starts with the padded row."""
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    x = torch.randn(3, 5)
+    with pytest.warns(UserWarning, match=f"{op} works along the batch axis"):
+        got = fast(x)
+    assert not torch.equal(got, fn(x))                     # what the warning is about
+    torch.testing.assert_close(got, fn(F.pad(x, (0, 0, 0, 1)))[:3])
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.flip(1), lambda x: x.sort(1).values, lambda x: x.topk(2, 1).values,
+                                lambda x: x[:, torch.tensor([3, 1])]], ids=["flip", "sort", "topk", "index"])
+def test_functions_that_move_values_along_another_axis_pad_exactly_without_a_warning(fn):
+    fast = df.jit(fn, buckets=(4, 8), in_axes=0, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (3, 5, 1):
+            x = torch.randn(rows, 5)
+            torch.testing.assert_close(fast(x), fn(x))
+
+
 def test_a_batch_mean_used_with_the_rows_and_an_output_summed_over_the_batch_warn():
     fast = df.jit(lambda x: (x - x.mean(0), x.sum(0)), buckets=(4,), in_axes=0, out_axes=(0, None), backend="eager")
     with pytest.warns(UserWarning) as caught:
