@@ -2,6 +2,7 @@
 and lets correct ones pass."""
 
 import random
+import re
 import subprocess
 import sys
 import zlib
@@ -202,6 +203,16 @@ def test_fresh_inputs_of_any_dtype_and_range_keep_dtype_and_range(example):
 def test_a_batch_axis_on_a_tensor_without_it_is_an_input_error():
     with pytest.raises(df.errors.InputError, match="batch axis 0 for a tensor of shape"):
         dft.draw_like(torch.tensor(3.0), torch.Generator(), [0], 2)
+
+
+@pytest.mark.parametrize("got, expected, message", [
+    (torch.tensor([1, 2]), 3, r"out is a tensor int64\[2\], expected int 3"),
+    (3, torch.tensor([1, 2]), r"out is int 3, expected a tensor int64\[2\]"),
+    (torch.tensor(3.0), 3.0, r"out is a tensor float32\[\], expected float 3\.0"),
+    (torch.tensor([1 + 1j]), torch.tensor([1 + 2j]), r"largest difference 1 at index \[0\], got 1\+1j, expected 1\+2j"),
+], ids=["tensor-vs-int", "int-vs-tensor", "0-dim-vs-float", "complex"])
+def test_differences_between_tensors_and_other_values_are_named(got, expected, message):
+    assert re.search(message, dft.first_difference(got, expected, exact=True))
 
 
 class Nondeterministic(df.Scheduler):
