@@ -10,6 +10,9 @@ rows). What padding adds, read off the same analysis:
 * an output reduced over the batch (a sum over the rows) takes in the padded rows, whatever `out_axes`
   says of it;
 * an output that reads no batch row is not padded, so `out_axes` must not cut it;
+* a number the function returns (not a tensor: `x.shape[0]`, `x.shape`) is baked into the trace of the padded
+  batch, so a value computed from the batch size would be the bucket's; such a function is refused
+  (`refuse_batch_sized_numbers`), since the outputs cannot be cut back to the real one;
 * an input the function updates in place from the rows (a KV cache written at the rows' slots) is
   written by the padded rows too, at the place their pad values name: zeros unless `pad_value` says
   otherwise, so by default they write slot 0.
@@ -21,7 +24,7 @@ warns, since the analysis cannot always tell (an op it does not model stops it q
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -73,3 +76,22 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
                   f"their pad values (zeros, by default: slot or index 0). Give pad_value= values that make them "
                   f"write where no real row reads (a dummy cache slot, as serving engines do)" for path in written]
     return texts
+
+
+def refuse_batch_sized_numbers(program: Program, rows: int, traced_at: Callable[[int], Program]) -> None:
+    """Raise InputError if a number `program` (traced at `rows` rows) returns changes with the batch
+    size (an int, a float, a `torch.Size`): traced again at `rows + 1` (`traced_at`), only when it
+    returns such values at all."""
+    numbers = {spec.path: spec.static_value for spec in program.outputs
+               if spec.tensor_index is None and not isinstance(spec.static_value, (bool, str, type(None)))}
+    if not numbers:
+        return
+    again = {spec.path: spec.static_value for spec in traced_at(rows + 1).outputs if spec.tensor_index is None}
+    changed = [(path, value, again.get(path)) for path, value in numbers.items()
+               if again.get(path) != value and value == value]          # NaN != NaN is no change
+    if changed:
+        path, value, other = changed[0]
+        raise InputError(f"{program.name} returns {path} = {value!r} at a batch of {rows} rows and {other!r} at "
+                         f"{rows + 1}: a number computed from the batch size, baked into each bucket's plan at the "
+                         f"padded size, so a padded call would return the bucket's value, not the real batch's. "
+                         f"Compute it outside the function from the real batch, or call it without buckets")

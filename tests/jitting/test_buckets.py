@@ -220,6 +220,25 @@ def test_functions_that_move_values_along_another_axis_pad_exactly_without_a_war
             torch.testing.assert_close(fast(x), fn(x))
 
 
+@pytest.mark.parametrize("fn", [lambda x: (x * 2, x.shape[0]), lambda x: (x * 2, x.shape),
+                                lambda x: {"y": x * 2, "scale": 1.0 / x.shape[0]}], ids=["rows", "shape", "float"])
+def test_a_number_computed_from_the_batch_size_is_refused(fn):
+    """Baked into the padded trace, it would be the bucket's size, not the real batch's."""
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    for _ in range(2):
+        with pytest.raises(InputError, match=r"returns out(\[1\]|\['scale'\]) = .* computed from the batch size"):
+            fast(torch.randn(3, 2))
+
+
+def test_numbers_that_do_not_depend_on_the_batch_size_come_back_as_traced():
+    fn = lambda x: (x * 2, x.shape[1], x.shape[1:], 0.5, None)   # noqa: E731
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    x = torch.randn(3, 2)
+    got, expected = fast(x), fn(x)
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[1:] == expected[1:]
+
+
 def test_a_batch_mean_used_with_the_rows_and_an_output_summed_over_the_batch_warn():
     fast = df.jit(lambda x: (x - x.mean(0), x.sum(0)), buckets=(4,), in_axes=0, out_axes=(0, None), backend="eager")
     with pytest.warns(UserWarning) as caught:
