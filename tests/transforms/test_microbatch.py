@@ -262,6 +262,16 @@ def test_ops_along_another_axis_than_the_batch_split_exactly_and_do_not_warn(fn,
     torch.testing.assert_close(df.jit(T.microbatch(fn, num=2))(x), fn(x))
 
 
+def test_a_number_computed_from_the_batch_size_warns():
+    """The micro-batched function returns the micro-batch's `x.shape[0]`, not the batch's."""
+    fn = lambda x: (x.sum(1), x.shape[0], x.shape[1], 0.5)   # noqa: E731
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"out\[1\] is 2 for a micro-batch but 4 for the whole batch") as caught:
+        got = df.jit(T.microbatch(fn, num=2))(x)
+    assert len([w for w in caught if "microbatch:" in str(w.message)]) == 1      # x.shape[1] and 0.5 are fine
+    assert got[1] != fn(x)[1] and got[2:] == fn(x)[2:]
+
+
 def test_an_in_place_update_of_a_shared_input_warns():
     def count(calls, x):
         calls.add_(1)
