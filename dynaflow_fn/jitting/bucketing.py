@@ -31,7 +31,7 @@ from ..tracing.tracer import trace_flat
 from .buckets import BatchLayout, BucketTable, OutputAxes
 from .call import CallSignature
 from .guard import call_state
-from .padding_check import padding_warnings, refuse_batch_sized_numbers
+from .padding_check import padding_warnings
 
 if TYPE_CHECKING:
     from .jitted import Jitted
@@ -132,11 +132,10 @@ class Bucketing:
         """Warn, once per function, where padding may change the real rows' results (`padding_check`)."""
         if self._checked:
             return
-        program = trace_flat(self.jitted.fn, flat)
-        texts = padding_warnings(program, layout, flat.leaves, self.outputs, not self.jitted.options.pads_with_zeros)
         rows = layout.rows(flat.leaves)
-        refuse_batch_sized_numbers(program, rows, lambda more: trace_flat(
-            self.jitted.fn, _padded_flat(layout, flat, rows, more)))
+        texts = padding_warnings(trace_flat(self.jitted.fn, flat), layout, flat.leaves, self.outputs,
+                                 not self.jitted.options.pads_with_zeros,
+                                 lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
         self._checked = True                      # only once it passed: a refused call is refused again
         for text in texts:
             warn(f"df.jit({self.jitted.name}) with buckets: {text}")

@@ -9,10 +9,12 @@ rows). What padding adds, read off the same analysis:
 
 * an output reduced over the batch (a sum over the rows) takes in the padded rows, whatever `out_axes`
   says of it;
-* an output that reads no batch row is not padded, so `out_axes` must not cut it;
+* an output that reads no batch row is not padded, so `out_axes` must not cut it; one whose size
+  along its out axis does not follow the batch size (traced at two sizes) is refused, since at a
+  bucket of that size it would be cut without a word;
 * a number the function returns (not a tensor: `x.shape[0]`, `x.shape`) is baked into the trace of the padded
   batch, so a value computed from the batch size would be the bucket's; such a function is refused
-  (`refuse_batch_sized_numbers`), since the outputs cannot be cut back to the real one;
+  (`refuse_unpaddable_outputs`), since the outputs cannot be cut back to the real one;
 * an input the function updates in place from the rows (a KV cache written at the rows' slots) is
   written by the padded rows too, at the place their pad values name: zeros unless `pad_value` says
   otherwise, so by default they write slot 0.
@@ -32,16 +34,18 @@ import torch
 from ..errors import InputError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
-from ..transforms.row_states import Reduced
+from ..transforms.row_states import Reduced, Rows
 from .buckets import BatchLayout, OutputAxes
 
 _COPY_ = torch.ops.aten.copy_.default
 
 
 def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any], out_axes: OutputAxes,
-                     pad_value_given: bool) -> list[str]:
+                     pad_value_given: bool, traced_at: Callable[[int], Program]) -> list[str]:
     """Why padding `program` (traced on `leaves`, a call padded to a bucket) may change its real rows'
-    results, as warning texts; raises InputError for a batched input it updates in place."""
+    results, as warning texts; raises InputError for a batched input it updates in place and for
+    outputs padding would return wrong (`refuse_unpaddable_outputs`, given `traced_at(rows)`, the
+    function traced at another batch size)."""
     rows = layout.rows(leaves)
     batch_axes = {program.inputs[b.position].node_name: b.axis % leaves[b.position].dim() for b in layout.batched}
     updates = {node.args[0].name: node.args[1] for node in program.ops()
@@ -69,6 +73,9 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
         elif spec.tensor_index is not None and state is None and axis is not None:
             texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
                          f"to the batch size: give it None in out_axes")
+    refuse_unpaddable_outputs(program, rows, specs, axes, [flow.states.get(returned[spec.tensor_index])
+                                                           if spec.tensor_index is not None else None
+                                                           for spec in specs], traced_at)
     if not pad_value_given:
         written = [spec.path for spec in program.inputs
                    if spec.node_name in updates and flow.states.get(updates[spec.node_name]) is not None]
@@ -78,20 +85,43 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     return texts
 
 
-def refuse_batch_sized_numbers(program: Program, rows: int, traced_at: Callable[[int], Program]) -> None:
-    """Raise InputError if a number `program` (traced at `rows` rows) returns changes with the batch
-    size (an int, a float, a `torch.Size`): traced again at `rows + 1` (`traced_at`), only when it
-    returns such values at all."""
-    numbers = {spec.path: spec.static_value for spec in program.outputs
+
+def refuse_unpaddable_outputs(program: Program, rows: int, specs: Sequence[Any], axes: Sequence[Any],
+                              states: Sequence[Any], traced_at: Callable[[int], Program]) -> None:
+    """Raise InputError for an output that no cutting makes right, found by tracing once more at
+    `rows + 1` rows, and only when some output is not proven by the row analysis:
+
+    * a number computed from the batch size (`x.shape[0]`, `x.shape`): baked in as the bucket's;
+    * a tensor that out_axes cuts along an axis whose size does not follow the batch (a KV cache
+      returned whole): at a bucket of its size it would be cut to the real rows, silently."""
+    numbers = {spec.path: spec.static_value for spec in specs
                if spec.tensor_index is None and not isinstance(spec.static_value, (bool, str, type(None)))}
-    if not numbers:
+    returned = program.output_node().args[0]
+    unproven = {spec.path: (axis, returned[spec.tensor_index].meta["val"].shape)
+                for spec, axis, state in zip(specs, axes, states)
+                if spec.tensor_index is not None and isinstance(axis, int) and not isinstance(axis, bool)
+                and not (isinstance(state, Rows) and state.axis == axis % len(returned[spec.tensor_index].meta["val"].shape))}
+    if not numbers and not unproven:
         return
-    again = {spec.path: spec.static_value for spec in traced_at(rows + 1).outputs if spec.tensor_index is None}
-    changed = [(path, value, again.get(path)) for path, value in numbers.items()
-               if again.get(path) != value and value == value]          # NaN != NaN is no change
-    if changed:
-        path, value, other = changed[0]
-        raise InputError(f"{program.name} returns {path} = {value!r} at a batch of {rows} rows and {other!r} at "
-                         f"{rows + 1}: a number computed from the batch size, baked into each bucket's plan at the "
-                         f"padded size, so a padded call would return the bucket's value, not the real batch's. "
-                         f"Compute it outside the function from the real batch, or call it without buckets")
+    again = traced_at(rows + 1)
+    again_returned = again.output_node().args[0]
+    for spec in again.outputs:
+        if spec.path in numbers and spec.static_value != numbers[spec.path] and numbers[spec.path] == numbers[spec.path]:
+            raise InputError(f"{program.name} returns {spec.path} = {numbers[spec.path]!r} at a batch of {rows} rows and "
+                             f"{spec.static_value!r} at {rows + 1}: a number computed from the batch size, baked into "
+                             f"each bucket's plan at the padded size, so a padded call would return the bucket's "
+                             f"value, not the real batch's. Compute it outside the function from the real batch, or "
+                             f"call it without buckets")
+        if spec.path in unproven and spec.tensor_index is not None:
+            axis, shape = unproven[spec.path]
+            sizes = (shape[axis] if -len(shape) <= axis < len(shape) else None,
+                     _size(again_returned[spec.tensor_index].meta["val"].shape, axis))
+            if sizes != (rows, rows + 1):
+                raise InputError(f"out_axes gives axis {axis} for {spec.path}, but its size along it ({sizes[0]} at a "
+                                 f"batch of {rows}, {sizes[1]} at {rows + 1}) does not follow the batch size, so it "
+                                 f"holds no batch rows and cutting it to the real rows would drop real values: give "
+                                 f"it None in out_axes (returned as it is), or the axis that holds its batch rows")
+
+
+def _size(shape: Sequence[int], axis: int) -> int | None:
+    return shape[axis] if -len(shape) <= axis < len(shape) else None

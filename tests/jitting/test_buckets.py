@@ -230,6 +230,29 @@ def test_a_number_computed_from_the_batch_size_is_refused(fn):
             fast(torch.randn(3, 2))
 
 
+def _write_slots(cache, slots, values):
+    return cache.index_copy(0, slots, values), values * 2
+
+
+def test_an_output_cut_along_an_axis_that_is_not_the_batch_is_refused_at_every_bucket():
+    """The cache returned whole has 4 slots: at the bucket of 4 it was cut to the real rows silently."""
+    fast = df.jit(_write_slots, buckets=(2, 4), in_axes=(None, 0, 0), pad_value=(None, 3, 0.0), backend="eager")
+    for rows in (3, 1):
+        with pytest.raises(InputError, match=r"out_axes gives axis 0 for out\[0\], but its size along it \(4 at a "
+                                             r"batch of 4, 4 at 5\) does not follow the batch size"):
+            fast(torch.zeros(4, 2), torch.arange(rows), torch.randn(rows, 2))
+
+
+def test_an_output_returned_whole_with_out_axes_none_pads_exactly():
+    fast = df.jit(_write_slots, buckets=(2, 4), in_axes=(None, 0, 0), pad_value=(None, 3, 0.0),
+                  out_axes=(None, 0), backend="eager")
+    for rows in (3, 1, 2):
+        cache, slots, values = torch.randn(4, 2), torch.randperm(3)[:rows], torch.randn(rows, 2)
+        (got_cache, got), (cache_expected, expected) = fast(cache, slots, values), _write_slots(cache, slots, values)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got_cache[:3], cache_expected[:3])     # slot 3 is the padded rows' dummy
+
+
 def test_numbers_that_do_not_depend_on_the_batch_size_come_back_as_traced():
     fn = lambda x: (x * 2, x.shape[1], x.shape[1:], 0.5, None)   # noqa: E731
     fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
