@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, TraceError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
 from ..transforms.row_states import Reduced, Rows
@@ -73,9 +73,9 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
         elif spec.tensor_index is not None and state is None and axis is not None:
             texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
                          f"to the batch size: give it None in out_axes")
-    refuse_unpaddable_outputs(program, rows, specs, axes, [flow.states.get(returned[spec.tensor_index])
-                                                           if spec.tensor_index is not None else None
-                                                           for spec in specs], traced_at)
+    texts += refuse_unpaddable_outputs(program, rows, specs, axes, [flow.states.get(returned[spec.tensor_index])
+                                                                    if spec.tensor_index is not None else None
+                                                                    for spec in specs], traced_at)
     if not pad_value_given:
         written = [spec.path for spec in program.inputs
                    if spec.node_name in updates and flow.states.get(updates[spec.node_name]) is not None]
@@ -85,11 +85,11 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     return texts
 
 
-
 def refuse_unpaddable_outputs(program: Program, rows: int, specs: Sequence[Any], axes: Sequence[Any],
-                              states: Sequence[Any], traced_at: Callable[[int], Program]) -> None:
+                              states: Sequence[Any], traced_at: Callable[[int], Program]) -> list[str]:
     """Raise InputError for an output that no cutting makes right, found by tracing once more at
-    `rows + 1` rows, and only when some output is not proven by the row analysis:
+    `rows + 1` rows, and only when some output is not proven by the row analysis (a function that
+    cannot be traced at that size, one whose rows must come in pairs, gets a warning instead):
 
     * a number computed from the batch size (`x.shape[0]`, `x.shape`): baked in as the bucket's;
     * a tensor that out_axes cuts along an axis whose size does not follow the batch (a KV cache
@@ -102,11 +102,17 @@ def refuse_unpaddable_outputs(program: Program, rows: int, specs: Sequence[Any],
                 if spec.tensor_index is not None and isinstance(axis, int) and not isinstance(axis, bool)
                 and not (isinstance(state, Rows) and state.axis == axis % len(returned[spec.tensor_index].meta["val"].shape))}
     if not numbers and not unproven:
-        return
-    again = traced_at(rows + 1)
+        return []
+    try:
+        again = traced_at(rows + 1)
+    except TraceError as error:
+        return [f"{', '.join([*numbers, *unproven])} could not be checked to follow the batch size: tracing at "
+                f"{rows + 1} rows failed ({error}). A number computed from the batch size would be the bucket's, and "
+                f"an output whose out axis holds no batch rows would be cut"]
     again_returned = again.output_node().args[0]
     for spec in again.outputs:
-        if spec.path in numbers and spec.static_value != numbers[spec.path] and numbers[spec.path] == numbers[spec.path]:
+        seen = numbers.get(spec.path)
+        if spec.path in numbers and spec.static_value != seen and seen == seen:      # a NaN differs from itself
             raise InputError(f"{program.name} returns {spec.path} = {numbers[spec.path]!r} at a batch of {rows} rows and "
                              f"{spec.static_value!r} at {rows + 1}: a number computed from the batch size, baked into "
                              f"each bucket's plan at the padded size, so a padded call would return the bucket's "
@@ -114,13 +120,13 @@ def refuse_unpaddable_outputs(program: Program, rows: int, specs: Sequence[Any],
                              f"call it without buckets")
         if spec.path in unproven and spec.tensor_index is not None:
             axis, shape = unproven[spec.path]
-            sizes = (shape[axis] if -len(shape) <= axis < len(shape) else None,
-                     _size(again_returned[spec.tensor_index].meta["val"].shape, axis))
+            sizes = _size(shape, axis), _size(again_returned[spec.tensor_index].meta["val"].shape, axis)
             if sizes != (rows, rows + 1):
                 raise InputError(f"out_axes gives axis {axis} for {spec.path}, but its size along it ({sizes[0]} at a "
                                  f"batch of {rows}, {sizes[1]} at {rows + 1}) does not follow the batch size, so it "
                                  f"holds no batch rows and cutting it to the real rows would drop real values: give "
                                  f"it None in out_axes (returned as it is), or the axis that holds its batch rows")
+    return []
 
 
 def _size(shape: Sequence[int], axis: int) -> int | None:

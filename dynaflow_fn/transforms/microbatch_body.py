@@ -107,7 +107,8 @@ def _sized_numbers(micro: Program, full: Program) -> list[str]:
     return [f"microbatch: {path} is {value!r} for a micro-batch but {whole.get(path)!r} for the whole batch, a "
             f"number computed from the batch size; the micro-batched function returns the micro-batch's. Compute "
             f"it outside the micro-batched function."
-            for path, value in _numbers(micro).items() if whole.get(path) != value and value == value]
+            for path, value in _numbers(micro).items()
+            if whole.get(path) != value and value == value]              # a NaN differs from itself
 
 
 def merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None:
