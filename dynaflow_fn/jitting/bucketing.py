@@ -132,8 +132,10 @@ class Bucketing:
         """Warn, once per function, where padding may change the real rows' results (`padding_check`)."""
         if self._checked:
             return
+        rows = layout.rows(flat.leaves)
         texts = padding_warnings(trace_flat(self.jitted.fn, flat), layout, flat.leaves, self.outputs,
-                                 not self.jitted.options.pads_with_zeros)
+                                 not self.jitted.options.pads_with_zeros,
+                                 lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
         self._checked = True                      # only once it passed: a refused call is refused again
         for text in texts:
             warn(f"df.jit({self.jitted.name}) with buckets: {text}")

@@ -26,8 +26,11 @@ def first_difference(got: Any, expected: Any, exact: bool) -> str | None:
 
 
 def _leaf_difference(got: Any, expected: Any, exact: bool) -> str | None:
-    if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor):
+    tensors = isinstance(got, torch.Tensor), isinstance(expected, torch.Tensor)
+    if tensors == (False, False):
         return None if got == expected else f"is {got!r}, expected {expected!r}"
+    if not all(tensors):                        # `tensor == 3` is a tensor, no answer: say what each is
+        return f"is {_described(got)}, expected {_described(expected)}"
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return (f"is {_kind(got)}, expected {_kind(expected)}")
     got, expected = got.detach().cpu(), expected.detach().cpu()
@@ -43,6 +46,10 @@ def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float16: 1e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-7}.get(dtype, 1.3e-6)
 
 
+def _described(value: Any) -> str:
+    return f"a tensor {_kind(value)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r}"
+
+
 def _kind(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
 
@@ -50,7 +57,8 @@ def _kind(tensor: torch.Tensor) -> str:
 def _largest(got: torch.Tensor, expected: torch.Tensor, exact: bool) -> str:
     """The worst element (the largest difference; within tolerance, the largest relative to the
     tolerance at that element) and its index. A NaN on one side only counts as infinitely far."""
-    a, b = got.to(torch.float64), expected.to(torch.float64)
+    wide = torch.complex128 if got.dtype.is_complex else torch.float64   # float64 would drop imaginary parts
+    a, b = got.to(wide), expected.to(wide)
     difference = (a - b).abs()
     difference = torch.where(torch.isnan(a) & torch.isnan(b), 0.0, difference)
     difference = torch.where(difference.isnan(), float("inf"), difference)
@@ -59,5 +67,9 @@ def _largest(got: torch.Tensor, expected: torch.Tensor, exact: bool) -> str:
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape)) if got.dim() else ()
     how = "bit for bit" if exact else "within the dtype's tolerance"
     return (f"differs (compared {how}): {'largest' if exact else 'worst'} difference "
-            f"{float(difference.reshape(-1)[flat]):.3g} at index {list(index)}, got {float(a.reshape(-1)[flat]):.6g}, "
-            f"expected {float(b.reshape(-1)[flat]):.6g}")
+            f"{float(difference.reshape(-1)[flat]):.3g} at index {list(index)}, got {_number(a.reshape(-1)[flat])}, "
+            f"expected {_number(b.reshape(-1)[flat])}")
+
+
+def _number(value: torch.Tensor) -> str:
+    return f"{complex(value):.6g}" if value.is_complex() else f"{float(value):.6g}"

@@ -61,6 +61,9 @@ def _fresh_leaf(leaf: Any, generator: torch.Generator, axis: int | None, rows: i
         return leaf
     shape = list(leaf.shape)
     if axis is not None and rows is not None:
+        if not -leaf.dim() <= axis < leaf.dim():
+            raise InputError(f"draw_like: batch axis {axis} for a tensor of shape {shape}, which has "
+                             f"{leaf.dim()} dimensions; give the leaves that are not batched None")
         shape[axis] = rows
     value = _random(leaf, shape, generator).to(leaf.device)
     if isinstance(leaf, nn.Parameter):
@@ -74,10 +77,26 @@ def _random(leaf: torch.Tensor, shape: list[int], generator: torch.Generator) ->
     if leaf.dtype == torch.bool:
         return torch.rand(shape, generator=generator) < 0.5
     if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
-        value = torch.randn(shape, generator=generator, dtype=leaf.dtype)
-        if leaf.numel() < 2 or leaf.device.type == "meta":
-            return value
-        example = leaf.detach().to(torch.float64)
-        return (value * float(example.std()) + float(example.mean())).to(leaf.dtype)
+        return _random_float(leaf, shape, generator)
     low, high = (int(leaf.min()), int(leaf.max())) if leaf.numel() else (0, 1)
+    top = torch.iinfo(leaf.dtype).max
+    if high == top:                             # randint's bound is exclusive and must fit the dtype
+        low, high = max(low, -top), top - 1
     return torch.randint(low, high + 1, shape, generator=generator, dtype=leaf.dtype)
+
+
+def _random_float(leaf: torch.Tensor, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+    """Normal values with the mean and spread of the example's finite values. Statistics over all of
+    them would be NaN for an attention mask holding -inf, and an all-NaN input makes any two functions
+    agree (NaN equals NaN in the comparison), so a test would pass whatever it tested. Dtypes that
+    randn cannot fill (float8) are drawn in float32 and rounded."""
+    drawn = leaf.dtype if leaf.dtype.is_complex or leaf.dtype.itemsize >= 2 else torch.float32
+    value = torch.randn(shape, generator=generator, dtype=drawn)
+    if leaf.numel() >= 2 and leaf.device.type != "meta":
+        example = leaf.detach().to(torch.complex128 if leaf.dtype.is_complex else torch.float64)
+        finite = example[torch.isfinite(example)]
+        if finite.numel() >= 2:
+            std, mean = finite.std(), finite.mean()
+            value = value * (float(std) if not std.is_complex() else std.abs().item()) + (
+                mean.item() if leaf.dtype.is_complex else float(mean))
+    return value.to(leaf.dtype)

@@ -77,16 +77,59 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
     if not carrying:
         return each_result(node, reduced[0] if reduced else None)
     rule = rule_for(target)
-    if rule is None or any(isinstance(state, tuple) for state in inputs):
+    if any(isinstance(state, tuple) for state in inputs) or (rule is None and reduced):
         return each_result(node, UNKNOWN)
     if reduced:
         return record_finding(node, flow, f"combines a value mixed across the batch rows (by {reduced[0].by}) "
                                           f"with per-row data")
     bound = ops.bind_arguments(target, node.args, node.kwargs)
+    if rule is None:
+        return _unmodelled(node, bound, flow)
     try:
         return rule(RuleCall(node, bound, flow, rows))
     except (KeyError, IndexError, TypeError, ValueError):    # arguments not as the rule expects them
         return each_result(node, UNKNOWN)
+
+
+def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
+    """An op no rule models stops the analysis (UNKNOWN), unless its arguments name the batch axis of
+    the tensor it works on: `flip(x, [0])`, `roll`, `gather`, `index_select`, `x[idx]`, `repeat` reorder,
+    pick or copy rows of the batch, so a micro-batch or a padded batch gives other rows than the whole
+    one. Staying quiet there would leave such a function computing something else without a word."""
+    state = bound.get("self", bound.get("input"))
+    state = flow.states.get(state) if isinstance(state, fx.Node) else None
+    if not isinstance(state, Rows):
+        return each_result(node, UNKNOWN)
+    rank = max(_rank(bound.get("self", bound.get("input"))), 1)
+    named = _named_axes(bound, rank)
+    if state.axis in named:
+        return record_finding(node, flow, f"works along the batch axis ({named[state.axis]}), so rows of the "
+                                          f"result read or move other rows of the batch")
+    return each_result(node, UNKNOWN)
+
+
+def _named_axes(bound: dict[str, Any], rank: int) -> dict[int, str]:
+    """The axes of an op's input that its arguments name (`dim=0`, `dims=[0]`, an index tensor at
+    position 0 of `indices`, `repeats` above 1), each with the argument that names it."""
+    named: dict[int, str] = {}
+    for key in ("dim", "dims", "dimension"):
+        value = bound.get(key)
+        values = (value,) if isinstance(value, int) else value if isinstance(value, (list, tuple)) else ()
+        named.update({d % rank: f"{key}={value}" for d in values if isinstance(d, int)})
+    indices = bound.get("indices")
+    if isinstance(indices, (list, tuple)):
+        named.update({i: f"an index tensor at position {i}" for i, v in enumerate(indices) if v is not None})
+    repeats = bound.get("repeats")
+    if isinstance(repeats, (list, tuple)):
+        offset = len(repeats) - rank
+        named.update({i - offset: f"repeats={list(repeats)}" for i, r in enumerate(repeats)
+                      if isinstance(r, int) and r != 1 and i >= offset})
+    return named
+
+
+def _rank(node: Any) -> int:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value.dim() if hasattr(value, "dim") else 0
 
 
 def _has(state: State, wanted: Any) -> bool:

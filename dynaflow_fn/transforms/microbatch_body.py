@@ -70,17 +70,18 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
     outputs = _output_nodes(program)
     independent = {path: node for path, node in outputs.items()
                    if not any(n.op == "placeholder" and n.name in split_nodes for n in _ancestors(node))}
-    shared = frozenset()
-    if independent:
+    shared, texts = frozenset(), []
+    if independent or _numbers(program):
         full = _trace_aside(body, tree, [_abstract(leaf) for leaf in leaves])
         if full is not None:
             full_outputs = _output_nodes(full)
             shared = frozenset(path for path, node in independent.items()
                                if path in full_outputs and _recipe(program, node) == _recipe(full, full_outputs[path]))
+            texts = _sized_numbers(program, full)
     if rows < 2:
-        return BodyFacts(shared)
+        return BodyFacts(shared, warnings=tuple(texts))
     flow = follow_rows(program.graph, split_nodes, rows)
-    texts = [f"microbatch: {finding}. {_CHANGES_MEANING} Put train-mode layers such as BatchNorm in eval mode "
+    texts += [f"microbatch: {finding}. {_CHANGES_MEANING} Put train-mode layers such as BatchNorm in eval mode "
              f"(model.eval()), or compute such values outside the micro-batched function."
              for finding in flow.findings]
     updated = [spec.path for spec in program.inputs if spec.node_name in _written_inputs(program)
@@ -90,6 +91,24 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
                      f"runs once per micro-batch instead of once per call. Keep that update outside the "
                      f"micro-batched function (for BatchNorm's running statistics: eval mode).")
     return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts))
+
+
+def _numbers(program: Program) -> dict[str, Any]:
+    """The values the body returns that are no tensors and may come from a size (ints, floats, a
+    `torch.Size`), by output path."""
+    return {o.path: o.static_value for o in program.outputs
+            if o.tensor_index is None and not isinstance(o.static_value, (bool, str, type(None)))}
+
+
+def _sized_numbers(micro: Program, full: Program) -> list[str]:
+    """Warnings for numbers the body returns that differ between a micro-batch and the whole batch
+    (`x.shape[0]`): the micro-batched function returns the first micro-batch's, not the batch's."""
+    whole = _numbers(full)
+    return [f"microbatch: {path} is {value!r} for a micro-batch but {whole.get(path)!r} for the whole batch, a "
+            f"number computed from the batch size; the micro-batched function returns the micro-batch's. Compute "
+            f"it outside the micro-batched function."
+            for path, value in _numbers(micro).items()
+            if whole.get(path) != value and value == value]              # a NaN differs from itself
 
 
 def merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None:

@@ -88,10 +88,10 @@ class RuleCall:
         return self.flow.states[value] if isinstance(value, fx.Node) else None
 
     def rank(self, value: Any = None) -> int:
-        return _value(self.node if value is None else value).dim()
+        return _tensor_value(self.node if value is None else value).dim()
 
     def shape(self, value: Any = None) -> tuple[int, ...]:
-        return tuple(_value(self.node if value is None else value).shape)
+        return tuple(_tensor_value(self.node if value is None else value).shape)
 
     def dims(self, name: str, rank: int) -> list[int] | None:
         """The normalized dims of a `dim` argument; None when it means every dimension."""
@@ -119,6 +119,15 @@ def record_finding(node: fx.Node, flow: RowFlow, reason: str) -> State:
 
 def _value(node: fx.Node) -> Any:
     return node.meta["val"]
+
+
+def _tensor_value(node: fx.Node) -> torch.Tensor:
+    """The value of a node, or its first result for an op returning several (`sort`: values and
+    indices, both of the input's shape but along `dim`), which is what the rules' ranks and shapes mean."""
+    value = _value(node)
+    if isinstance(value, (tuple, list)):
+        return next(v for v in value if isinstance(v, torch.Tensor))
+    return value
 
 
 def each_result(node: fx.Node, state: State) -> State:

@@ -193,6 +193,75 @@ def test_functions_whose_rows_interact_warn_as_microbatching_does(make, expected
     assert (texts == []) if expected is None else (len(texts) == 1 and expected in texts[0]), texts
 
 
+@pytest.mark.parametrize("fn, op", [
+    (lambda x: x.flip(0) * 2, "aten.flip"),
+    (lambda x: x.roll(1, 0), "aten.roll"),
+    (lambda x: x.sort(0).values, "aten.sort"),
+    (lambda x: x.gather(0, torch.full_like(x, x.shape[0] - 1, dtype=torch.long)), "aten.gather"),
+], ids=["flip", "roll", "sort", "gather-last-row"])
+def test_functions_that_move_rows_along_the_batch_axis_warn(fn, op):
+    """Padded rows land among the real ones: a flipped batch of 3 padded to 4 starts with the padded row."""
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    x = torch.randn(3, 5)
+    with pytest.warns(UserWarning, match=f"{op} works along the batch axis"):
+        got = fast(x)
+    assert not torch.equal(got, fn(x))                     # what the warning is about
+    torch.testing.assert_close(got, fn(F.pad(x, (0, 0, 0, 1)))[:3])
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.flip(1), lambda x: x.sort(1).values, lambda x: x.topk(2, 1).values,
+                                lambda x: x[:, torch.tensor([3, 1])]], ids=["flip", "sort", "topk", "index"])
+def test_functions_that_move_values_along_another_axis_pad_exactly_without_a_warning(fn):
+    fast = df.jit(fn, buckets=(4, 8), in_axes=0, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (3, 5, 1):
+            x = torch.randn(rows, 5)
+            torch.testing.assert_close(fast(x), fn(x))
+
+
+@pytest.mark.parametrize("fn", [lambda x: (x * 2, x.shape[0]), lambda x: (x * 2, x.shape),
+                                lambda x: {"y": x * 2, "scale": 1.0 / x.shape[0]}], ids=["rows", "shape", "float"])
+def test_a_number_computed_from_the_batch_size_is_refused(fn):
+    """Baked into the padded trace, it would be the bucket's size, not the real batch's."""
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    for _ in range(2):
+        with pytest.raises(InputError, match=r"returns out(\[1\]|\['scale'\]) = .* computed from the batch size"):
+            fast(torch.randn(3, 2))
+
+
+def _write_slots(cache, slots, values):
+    return cache.index_copy(0, slots, values), values * 2
+
+
+def test_an_output_cut_along_an_axis_that_is_not_the_batch_is_refused_at_every_bucket():
+    """The cache returned whole has 4 slots: at the bucket of 4 it was cut to the real rows silently."""
+    fast = df.jit(_write_slots, buckets=(2, 4), in_axes=(None, 0, 0), pad_value=(None, 3, 0.0), backend="eager")
+    for rows in (3, 1):
+        with pytest.raises(InputError, match=r"out_axes gives axis 0 for out\[0\], but its size along it \(4 at a "
+                                             r"batch of 4, 4 at 5\) does not follow the batch size"):
+            fast(torch.zeros(4, 2), torch.arange(rows), torch.randn(rows, 2))
+
+
+def test_an_output_returned_whole_with_out_axes_none_pads_exactly():
+    fast = df.jit(_write_slots, buckets=(2, 4), in_axes=(None, 0, 0), pad_value=(None, 3, 0.0),
+                  out_axes=(None, 0), backend="eager")
+    for rows in (3, 1, 2):
+        cache, slots, values = torch.randn(4, 2), torch.randperm(3)[:rows], torch.randn(rows, 2)
+        (got_cache, got), (cache_expected, expected) = fast(cache, slots, values), _write_slots(cache, slots, values)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got_cache[:3], cache_expected[:3])     # slot 3 is the padded rows' dummy
+
+
+def test_numbers_that_do_not_depend_on_the_batch_size_come_back_as_traced():
+    fn = lambda x: (x * 2, x.shape[1], x.shape[1:], 0.5, None)   # noqa: E731
+    fast = df.jit(fn, buckets=(4,), in_axes=0, backend="eager")
+    x = torch.randn(3, 2)
+    got, expected = fast(x), fn(x)
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[1:] == expected[1:]
+
+
 def test_a_batch_mean_used_with_the_rows_and_an_output_summed_over_the_batch_warn():
     fast = df.jit(lambda x: (x - x.mean(0), x.sum(0)), buckets=(4,), in_axes=0, out_axes=(0, None), backend="eager")
     with pytest.warns(UserWarning) as caught:

@@ -2,6 +2,7 @@
 and lets correct ones pass."""
 
 import random
+import re
 import subprocess
 import sys
 import zlib
@@ -171,6 +172,47 @@ def test_fresh_inputs_keep_structure_kinds_and_scale_and_resize_batch_axes():
     assert fresh_params["ids"].dtype == torch.int64 and 0 <= fresh_params["ids"].min() <= fresh_params["ids"].max() <= 9
     assert fresh_x.shape == (7, 3) and static == 2
     assert dft.edge_batch_sizes(8, 2) == [8, 2, 3] and dft.edge_batch_sizes(4, 1) == [4, 1]
+
+
+def _masked_softmax(x, mask):
+    return torch.softmax(x + mask, -1)
+
+
+def test_a_wrong_transform_fails_when_an_example_holds_infinities():
+    """A causal mask of -inf: statistics over all its values are NaN, and all-NaN fresh inputs would
+    make any two functions agree."""
+    mask = torch.triu(torch.full((4, 4), float("-inf")), 1)
+    wrong = lambda x, mask: torch.softmax(2 * x + mask, -1)   # noqa: E731
+    with pytest.raises(AssertionError, match="differs from fn"):
+        dft.assert_equivalent(_masked_softmax, wrong, torch.randn(2, 4, 4), mask, exact=False)
+    drawn = dft.draw_like(torch.tensor([float("-inf"), 1.0, 3.0, float("nan")]), torch.Generator().manual_seed(0))
+    assert torch.isfinite(drawn).all()
+
+
+@pytest.mark.parametrize("example", [
+    torch.tensor([0, 2**63 - 1]), torch.tensor([-2**63, 2**63 - 1]), torch.tensor([0, 2**31 - 1], dtype=torch.int32),
+    torch.randn(4).to(torch.float8_e4m3fn), torch.randn(3, dtype=torch.complex64) * 4 + 1j,
+], ids=["int64-max", "int64-full-range", "int32-max", "float8", "complex"])
+def test_fresh_inputs_of_any_dtype_and_range_keep_dtype_and_range(example):
+    drawn = dft.draw_like(example, torch.Generator().manual_seed(0))
+    assert drawn.dtype == example.dtype and drawn.shape == example.shape
+    if not example.dtype.is_floating_point and not example.dtype.is_complex:
+        assert example.min() <= drawn.min() and drawn.max() <= example.max()
+
+
+def test_a_batch_axis_on_a_tensor_without_it_is_an_input_error():
+    with pytest.raises(df.errors.InputError, match="batch axis 0 for a tensor of shape"):
+        dft.draw_like(torch.tensor(3.0), torch.Generator(), [0], 2)
+
+
+@pytest.mark.parametrize("got, expected, message", [
+    (torch.tensor([1, 2]), 3, r"out is a tensor int64\[2\], expected int 3"),
+    (3, torch.tensor([1, 2]), r"out is int 3, expected a tensor int64\[2\]"),
+    (torch.tensor(3.0), 3.0, r"out is a tensor float32\[\], expected float 3\.0"),
+    (torch.tensor([1 + 1j]), torch.tensor([1 + 2j]), r"largest difference 1 at index \[0\], got 1\+1j, expected 1\+2j"),
+], ids=["tensor-vs-int", "int-vs-tensor", "0-dim-vs-float", "complex"])
+def test_differences_between_tensors_and_other_values_are_named(got, expected, message):
+    assert re.search(message, dft.first_difference(got, expected, exact=True))
 
 
 class Nondeterministic(df.Scheduler):

@@ -214,7 +214,15 @@ class _Center(nn.Module):
     (lambda x: x @ x.T, r"aten\.mm multiplies rows of the batch with other rows"),
     (lambda x: x / x.norm(),
      r"aten\.div\.Tensor combines a value mixed across the batch rows \(by aten\.linalg_vector_norm\)"),
-], ids=["centering-module", "softmax-over-batch", "rows-times-rows", "global-norm"])
+    (lambda x: x.flip(0), r"aten\.flip works along the batch axis \(dims=\[0\]\)"),
+    (lambda x: x.roll(1, 0), r"aten\.roll works along the batch axis"),
+    (lambda x: x.gather(0, torch.zeros_like(x, dtype=torch.long)), r"aten\.gather works along the batch axis"),
+    (lambda x: x[torch.tensor([1, 0])], r"aten\.index\.Tensor works along the batch axis"),
+    (lambda x: x.repeat(2, 1), r"aten\.repeat works along the batch axis"),
+    (lambda x: x.sort(0).values, r"aten\.sort works along the batch axis"),
+    (lambda x: x.topk(2, 0).values, r"aten\.topk works along the batch axis"),
+], ids=["centering-module", "softmax-over-batch", "rows-times-rows", "global-norm", "flip", "roll", "gather",
+        "index", "repeat", "sort-several-results", "topk"])
 def test_ops_that_mix_the_rows_of_the_batch_warn(fn, match):
     if isinstance(fn, nn.Module):
         fn, params = df.pure(fn)
@@ -243,6 +251,25 @@ def test_outputs_merged_against_their_rows_warn(fn, out_axes, match):
 def test_outputs_merged_along_their_rows_do_not_warn(fn, out_axes, no_microbatch_warnings):
     x = torch.randn(6, 3)
     torch.testing.assert_close(df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x), fn(x))
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.flip(1), lambda x: x.roll(1, 1), lambda x: x.sort(1).values,
+                                lambda x: x.topk(2, 1).values, lambda x: x[:, torch.tensor([2, 0])],
+                                lambda x: x.repeat(1, 2), lambda x: x.kthvalue(2, 1).values],
+                         ids=["flip", "roll", "sort", "topk", "index", "repeat", "kthvalue"])
+def test_ops_along_another_axis_than_the_batch_split_exactly_and_do_not_warn(fn, no_microbatch_warnings):
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(df.jit(T.microbatch(fn, num=2))(x), fn(x))
+
+
+def test_a_number_computed_from_the_batch_size_warns():
+    """The micro-batched function returns the micro-batch's `x.shape[0]`, not the batch's."""
+    fn = lambda x: (x.sum(1), x.shape[0], x.shape[1], 0.5)   # noqa: E731
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"out\[1\] is 2 for a micro-batch but 4 for the whole batch") as caught:
+        got = df.jit(T.microbatch(fn, num=2))(x)
+    assert len([w for w in caught if "microbatch:" in str(w.message)]) == 1      # x.shape[1] and 0.5 are fine
+    assert got[1] != fn(x)[1] and got[2:] == fn(x)[2:]
 
 
 def test_an_in_place_update_of_a_shared_input_warns():
