@@ -262,6 +262,21 @@ def test_numbers_that_do_not_depend_on_the_batch_size_come_back_as_traced():
     assert got[1:] == expected[1:]
 
 
+def _pair_sums(x):
+    """Rows come in pairs: the function cannot be traced at an odd batch."""
+    sums = x.view(-1, 2, x.shape[1]).sum(1)
+    return sums.repeat_interleave(2, 0), x.shape[1]
+
+
+def test_a_function_that_cannot_be_traced_one_row_past_the_bucket_warns_and_runs():
+    fast = df.jit(_pair_sums, buckets=(2, 4), in_axes=0, backend="eager")
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"could not be checked to follow the batch size: tracing at 5 rows failed"):
+        got = fast(x)
+    torch.testing.assert_close(got[0], _pair_sums(x)[0])
+    assert got[1] == 3
+
+
 def test_a_batch_mean_used_with_the_rows_and_an_output_summed_over_the_batch_warn():
     fast = df.jit(lambda x: (x - x.mean(0), x.sum(0)), buckets=(4,), in_axes=0, out_axes=(0, None), backend="eager")
     with pytest.warns(UserWarning) as caught:
