@@ -25,6 +25,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 from torch import fx
 
 from ..compat import OpOverload
@@ -118,13 +119,33 @@ def _named_axes(bound: dict[str, Any], rank: int) -> dict[int, str]:
         named.update({d % rank: f"{key}={value}" for d in values if isinstance(d, int)})
     indices = bound.get("indices")
     if isinstance(indices, (list, tuple)):
-        named.update({i: f"an index tensor at position {i}" for i, v in enumerate(indices) if v is not None})
+        source = bound.get("self", bound.get("input"))
+        named.update({i: f"an index tensor at position {i}" for i, v in enumerate(indices)
+                      if v is not None and not _counts_rows_in_order(v, source, i)})
     repeats = bound.get("repeats")
     if isinstance(repeats, (list, tuple)):
         offset = len(repeats) - rank
         named.update({i - offset: f"repeats={list(repeats)}" for i, r in enumerate(repeats)
                       if isinstance(r, int) and r != 1 and i >= offset})
     return named
+
+
+def _counts_rows_in_order(index: Any, source: Any, axis: int) -> bool:
+    """Whether `index`, an index tensor for `axis` of `source`, is `arange(n)` over that axis's n rows,
+    unsqueezed after its first dimension: `x[torch.arange(batch)[:, None, None], ...]`, as transformers'
+    mask builders index per row. Row `b` of the result then reads row `b`, so it works along the batch
+    without moving rows. Anything else (another order, a subset, a repeat) is not recognized."""
+    while isinstance(index, fx.Node) and index.target is _UNSQUEEZE and index.args[1] not in (0, -index.args[0].meta["val"].dim() - 1):
+        index = index.args[0]
+    if not isinstance(index, fx.Node) or index.target not in _ARANGES or not isinstance(source, fx.Node):
+        return False
+    start, end, step = (0, *index.args[:1], 1) if index.target is _ARANGE else (*index.args[:2], *(index.args[2:] or (1,)))
+    return (start, step) == (0, 1) and end == source.meta["val"].shape[axis]
+
+
+_UNSQUEEZE = torch.ops.aten.unsqueeze.default
+_ARANGE = torch.ops.aten.arange.default
+_ARANGES = (_ARANGE, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
 def _rank(node: Any) -> int:

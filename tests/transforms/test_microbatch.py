@@ -262,6 +262,13 @@ def test_ops_along_another_axis_than_the_batch_split_exactly_and_do_not_warn(fn,
     torch.testing.assert_close(df.jit(T.microbatch(fn, num=2))(x), fn(x))
 
 
+def test_indexing_each_row_by_an_arange_of_the_batch_splits_exactly_and_does_not_warn(no_microbatch_warnings):
+    """transformers' mask builders index `mask[torch.arange(batch)[:, None, None, None], ...]`: row b reads row b."""
+    fn = lambda x: x[torch.arange(x.shape[0])[:, None], torch.arange(x.shape[1])] * 2   # noqa: E731
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(df.jit(T.microbatch(fn, num=2))(x), fn(x))
+
+
 def test_a_number_computed_from_the_batch_size_warns():
     """The micro-batched function returns the micro-batch's `x.shape[0]`, not the batch's."""
     fn = lambda x: (x.sum(1), x.shape[0], x.shape[1], 0.5)   # noqa: E731
