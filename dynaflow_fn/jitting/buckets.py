@@ -23,6 +23,7 @@ rows of a function are independent at all.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -182,6 +183,22 @@ def _check_padded_leaf(leaf: torch.Tensor, axis: Any, value: Any, name: str, fix
         raise InputError(f"pad_value leaves are Python scalars (or None for zeros); got {value!r} for {name}")
     if isinstance(value, float) and not (leaf.is_floating_point() or leaf.is_complex()):
         raise InputError(f"pad_value {value!r} for {name} is a float, but {name} holds {leaf.dtype}: give an int")
+    if value is not None and not _fits(value, leaf.dtype):
+        raise InputError(f"pad_value {value!r} for {name} does not fit its dtype {leaf.dtype}: padded rows would hold "
+                         f"another value (or Inf). Give a value the dtype holds")
+
+
+def _fits(value: Any, dtype: torch.dtype) -> bool:
+    """Whether a Python scalar is held by `dtype` as it is: within an integer dtype's range (0 or 1 for
+    bool), within a floating dtype's finite range unless it is infinite or NaN itself."""
+    if dtype == torch.bool:
+        return value in (0, 1)
+    if dtype.is_floating_point:
+        return not math.isfinite(value) or abs(value) <= torch.finfo(dtype).max
+    if dtype.is_complex:
+        return True
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
 
 
 class OutputAxes:

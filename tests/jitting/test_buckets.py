@@ -157,6 +157,23 @@ def test_calls_that_do_not_fit_in_axes_are_input_errors(call, message):
         call(fast, {"w": torch.randn(3)}, torch.randn(3, 3))
 
 
+@pytest.mark.parametrize("dtype, pad_value", [(torch.uint8, 300), (torch.int64, 2**70), (torch.bool, 2),
+                                             (torch.float16, 1e6)])
+def test_a_pad_value_its_dtype_cannot_hold_is_an_input_error(dtype, pad_value):
+    fast = df.jit(lambda x: x * 1, buckets=(4,), in_axes=0, pad_value=pad_value, backend="eager")
+    with pytest.raises(InputError, match=rf"pad_value {pad_value!r} for x does not fit its dtype {dtype}"):
+        fast(torch.zeros(3, 2, dtype=dtype))
+
+
+def test_pad_values_at_the_edges_of_their_dtype_pad_exactly():
+    for dtype, pad_value in [(torch.uint8, 255), (torch.int8, -128), (torch.bool, True), (torch.float16, 65504.0),
+                             (torch.float32, float("-inf"))]:
+        fast = df.jit(lambda x: x.clone(), buckets=(4,), in_axes=0, out_axes=None, pad_value=pad_value,
+                      backend="eager")
+        got = fast(torch.zeros(3, 2, dtype=dtype))
+        assert got.dtype == dtype and got[3].eq(torch.tensor(pad_value, dtype=dtype)).all()
+
+
 def test_model_state_and_donated_arguments_are_never_padded():
     fn, params = df.pure(nn.Linear(3, 3))
     with pytest.raises(InputError, match="model state"):
