@@ -344,3 +344,32 @@ def test_an_in_place_op_left_in_a_program_is_a_transform_error_naming_the_node()
     program = T.apply_transform(df.trace(lambda x: (x * 2).relu() + 1, torch.randn(3)), WriteInPlace())
     with pytest.raises(df.TransformError, match=r"relu = aten.relu_\(...\) writes mul in place.*functional op"):
         df.lower(program)
+
+
+_OTHER_STATE = torch.Generator().manual_seed(99).get_state()
+
+
+@pytest.mark.parametrize("seed_inside", [
+    lambda: torch.manual_seed(1234),
+    lambda: torch.manual_seed(torch.initial_seed()),
+    lambda: torch.set_rng_state(_OTHER_STATE),
+])
+def test_a_function_that_seeds_the_global_generator_is_refused_and_the_generator_left_alone(seed_inside):
+    """A plan cannot replay torch.manual_seed: only the first call would be seeded, the rest would
+    draw other numbers than eager PyTorch does."""
+
+    def noisy(x):
+        seed_inside()
+        return x + torch.rand(x.shape)
+
+    x = torch.randn(3)
+    state = torch.get_rng_state()
+    with pytest.raises(df.errors.TraceError, match=r"noisy sets torch's global random generator.*Seed before"):
+        df.jit(noisy)(x)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_random_ops_without_seeding_still_trace_and_draw_fresh_numbers():
+    fast = df.jit(lambda x: x + torch.rand(x.shape))
+    x = torch.randn(3)
+    assert not torch.equal(fast(x), fast(x))

@@ -48,6 +48,7 @@ from ..ir.tree import TensorSpec
 from .closure import closed_over_objects, lift_closed_over
 from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .mode_reads import recording_mode_reads, shadows_flag
+from .reseeding import refusing_reseeds
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 
 _TRACING = threading.RLock()
@@ -116,7 +117,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     observed: dict[str, Any] = {}
     flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed)
     with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
-            _translate_errors(getattr(fn, "__name__", "fn")):
+            _translate_errors(getattr(fn, "__name__", "fn")), refusing_reseeds(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         traced, scopes, closed_over, flow = _functional(traced, fn, observed, [specs[i] for i in kinds.tensor_positions])
     recorder = observed["recorder"]
