@@ -373,3 +373,26 @@ def test_random_ops_without_seeding_still_trace_and_draw_fresh_numbers():
     fast = df.jit(lambda x: x + torch.rand(x.shape))
     x = torch.randn(3)
     assert not torch.equal(fast(x), fast(x))
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: t.t_(), lambda t: t.unsqueeze_(0), lambda t: t.transpose_(0, 1), lambda t: t.resize_(6),
+    lambda t: t.as_strided_((3,), (1,)),
+])
+def test_changing_the_layout_of_an_argument_in_place_is_a_trace_error_naming_it(change):
+    def relayout(x):
+        change(x)
+        return x * 2
+
+    with pytest.raises(df.errors.TraceError, match=r"relayout changes the shape or strides of its argument x in "
+                                                   r"place \(aten\.\w+_.*use the out-of-place op"):
+        df.jit(relayout)(torch.randn(2, 3))
+
+
+def test_layout_ops_on_the_functions_own_tensors_or_leaving_the_layout_as_it_was_still_run():
+    def fine(x):
+        y = (x * 2).t_()
+        return y.unsqueeze_(0) + x.squeeze_().sum()
+
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(df.jit(fine)(x.clone()), fine(x.clone()))

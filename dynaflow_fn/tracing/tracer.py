@@ -49,6 +49,7 @@ from .closure import closed_over_objects, lift_closed_over
 from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .reseeding import refusing_reseeds
+from .layout_writes import refuse_layout_writes
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 
 _TRACING = threading.RLock()
@@ -119,6 +120,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
             _translate_errors(getattr(fn, "__name__", "fn")), refusing_reseeds(getattr(fn, "__name__", "fn")):
         traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+        refuse_layout_writes(traced.graph, getattr(fn, "__name__", "fn"), [path_strs[i] for i in kinds.tensor_positions])
         traced, scopes, closed_over, flow = _functional(traced, fn, observed, [specs[i] for i in kinds.tensor_positions])
     recorder = observed["recorder"]
 
