@@ -396,3 +396,42 @@ def test_layout_ops_on_the_functions_own_tensors_or_leaving_the_layout_as_it_was
 
     x = torch.randn(2, 3)
     torch.testing.assert_close(df.jit(fine)(x.clone()), fine(x.clone()))
+
+
+class _Stepping(torch.nn.Module):
+    """Rebinds a buffer and a plain tensor attribute in forward, as stateful model code may."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.hidden = torch.zeros(3)
+
+    def forward(self, x):
+        self.steps = self.steps + 1
+        self.hidden = self.hidden * 0.5 + x
+        return self.hidden * self.steps
+
+
+def test_assigning_a_new_tensor_to_a_module_attribute_is_refused_and_the_module_left_as_it_was():
+    module = _Stepping()
+    steps, hidden = module.steps, module.hidden
+    with pytest.raises(df.errors.TraceError, match=r"assigns a tensor .* to _Stepping\.hidden, _Stepping\.steps"
+                                                   r".*in place instead"):
+        df.jit(module)(torch.randn(3))
+    assert module.steps is steps and module.hidden is hidden
+    x = torch.randn(3)
+    torch.testing.assert_close(module(x), x)                 # eager use afterwards sees real tensors
+
+
+def test_updating_module_state_in_place_still_runs():
+    class InPlace(_Stepping):
+        def forward(self, x):
+            self.steps.add_(1)
+            self.hidden.mul_(0.5).add_(x)
+            return self.hidden * self.steps
+
+    eager, jitted = InPlace(), InPlace()
+    fast = df.jit(jitted)
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(fast(x), eager(x))

@@ -45,6 +45,7 @@ from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program
 from ..ir.signature import ClosedOver, InputSpec, OutputSpec, Signature, device_of
 from ..ir.tree import TensorSpec
+from .attribute_writes import refusing_attribute_rebinds
 from .closure import closed_over_objects, lift_closed_over
 from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .mode_reads import recording_mode_reads, shadows_flag
@@ -119,7 +120,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed)
     with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
             _translate_errors(getattr(fn, "__name__", "fn")), refusing_reseeds(getattr(fn, "__name__", "fn")):
-        traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+        with refusing_attribute_rebinds(fn, getattr(fn, "__name__", "fn"), lambda: observed["recorder"].called_modules() if "recorder" in observed else ()):
+            traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         refuse_layout_writes(traced.graph, getattr(fn, "__name__", "fn"), [path_strs[i] for i in kinds.tensor_positions])
         traced, scopes, closed_over, flow = _functional(traced, fn, observed, [specs[i] for i in kinds.tensor_positions])
     recorder = observed["recorder"]
