@@ -435,3 +435,20 @@ def test_updating_module_state_in_place_still_runs():
     for _ in range(3):
         x = torch.randn(3)
         torch.testing.assert_close(fast(x), eager(x))
+
+
+def test_a_jitted_method_assigning_a_new_tensor_to_its_instance_is_refused():
+    class Accumulator:
+        def __init__(self):
+            self.total = torch.zeros(2)
+
+        @df.jit
+        def add(self, x):
+            self.total = self.total + x
+            return self.total * 1
+
+    acc = Accumulator()
+    total = acc.total
+    with pytest.raises(df.errors.TraceError, match=r"add assigns a tensor .* to Accumulator\.total"):
+        acc.add(torch.randn(2))
+    assert acc.total is total

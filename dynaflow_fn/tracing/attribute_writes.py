@@ -5,7 +5,8 @@ attribute. A Plan replays tensor ops only: the assignment happened once, at trac
 the attribute to a fake tensor of the trace, so later calls read the stale value and the module
 held a FakeTensor afterwards. Every module the trace called or can reach through the function
 (the module itself, `self`, closed-over modules, their submodules) is checked after the trace for
-a fake tensor among its parameters, buffers and attributes; the attributes are put back as they
+a fake tensor among its parameters, buffers and attributes (the instance of a jitted method too,
+module or not); the attributes are put back as they
 were and the trace refused with the in-place form to use instead.
 """
 
@@ -24,14 +25,16 @@ from .closure import closed_over_objects
 _Snapshot = dict[int, tuple[torch.nn.Module, dict[str, dict[str, Any]]]]
 
 
-def _reachable_modules(fn: Callable[..., Any]) -> list[torch.nn.Module]:
+def _reachable_modules(fn: Callable[..., Any]) -> list[Any]:
     """The modules whose attributes can be put back: found before the trace, since which modules it
     calls is known only after it has rebound their attributes."""
     roots = [*closed_over_objects(fn), fn, getattr(fn, "__self__", None)] if not inspect.isclass(fn) else []
-    found: dict[int, torch.nn.Module] = {}
+    found: dict[int, Any] = {}
     for root in roots:
         if isinstance(root, torch.nn.Module):
             found.update((id(m), m) for m in root.modules())
+        elif root is not None and hasattr(root, "__dict__") and not inspect.isroutine(root):
+            found.setdefault(id(root), root)          # the instance of a jitted method
     return list(found.values())
 
 
