@@ -452,3 +452,24 @@ def test_a_jitted_method_assigning_a_new_tensor_to_its_instance_is_refused():
     with pytest.raises(df.errors.TraceError, match=r"add assigns a tensor .* to Accumulator\.total"):
         acc.add(torch.randn(2))
     assert acc.total is total
+
+
+def test_writing_an_inference_tensor_outside_inference_mode_is_refused_naming_it():
+    def bump(x):
+        doubled = x * 2
+        x.add_(1)
+        return doubled
+
+    with torch.inference_mode():
+        x, other = torch.randn(3), torch.randn(3)
+    before = x.clone()
+    with pytest.raises(RuntimeError):
+        bump(other)                                       # eager refuses as well
+    fast = df.jit(bump)
+    with pytest.raises(df.errors.InputError, match=r"writes x .*an inference tensor.*torch\.inference_mode\(\)"):
+        fast(x)
+    assert torch.equal(x, before)
+    with torch.inference_mode():
+        expected = x.clone()
+        torch.testing.assert_close(fast(x), bump(expected))
+        torch.testing.assert_close(x, expected)
