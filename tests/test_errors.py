@@ -344,3 +344,24 @@ def test_an_in_place_op_left_in_a_program_is_a_transform_error_naming_the_node()
     program = T.apply_transform(df.trace(lambda x: (x * 2).relu() + 1, torch.randn(3)), WriteInPlace())
     with pytest.raises(df.TransformError, match=r"relu = aten.relu_\(...\) writes mul in place.*functional op"):
         df.lower(program)
+
+
+def test_writing_an_inference_tensor_outside_inference_mode_is_refused_naming_it():
+    def bump(x):
+        doubled = x * 2
+        x.add_(1)
+        return doubled
+
+    with torch.inference_mode():
+        x, other = torch.randn(3), torch.randn(3)
+    before = x.clone()
+    with pytest.raises(RuntimeError):
+        bump(other)                                       # eager refuses as well
+    fast = df.jit(bump)
+    with pytest.raises(df.errors.InputError, match=r"writes x .*an inference tensor.*torch\.inference_mode\(\)"):
+        fast(x)
+    assert torch.equal(x, before)
+    with torch.inference_mode():
+        expected = x.clone()
+        torch.testing.assert_close(fast(x), bump(expected))
+        torch.testing.assert_close(x, expected)

@@ -320,6 +320,31 @@ def test_a_closed_over_tensor_mutated_inside_the_function_is_written_back():
     torch.testing.assert_close(counter, expected_counter, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_a_closed_over_tensor_updated_from_constants_alone_is_updated_once_per_call(shape):
+    """`counter.add_(1)` reads no argument; tracing must not run it on the caller's tensor as well."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("steps", torch.zeros(shape, dtype=torch.long))
+            self.scale = torch.randn(shape)
+
+        def forward(self, x):
+            self.steps.add_(1)
+            self.scale.mul_(2)
+            return x * self.scale.sum()
+
+    eager, jitted = Counting(), Counting()
+    jitted.scale.copy_(eager.scale)
+    fast = df.jit(jitted)
+    for _ in range(3):
+        x = torch.randn(4)
+        torch.testing.assert_close(fast(x), eager(x))
+    torch.testing.assert_close(jitted.steps, eager.steps, rtol=0, atol=0)
+    torch.testing.assert_close(jitted.scale, eager.scale)
+
+
 def test_literals_inside_the_function_stay_constants():
     f = lambda x: x + torch.tensor([1.0, 2.0, 3.0])                   # noqa: E731
     program = df.trace(f, torch.randn(3))

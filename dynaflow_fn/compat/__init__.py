@@ -30,11 +30,12 @@ from .calls import (
     torch_function_mode_active,
     without_backward,
 )
-from .modules import observe_module_changes
+from .modules import module_tensor_dicts, observe_module_changes
 from .operators import OpOverload, StorageWeakRef, has_internal_overlap, has_kernel_for, op_schema
 from .tracing import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     FakeTensorModeWithFallback,
     UnsupportedOperatorException,
@@ -46,7 +47,7 @@ from .tracing import (
 )
 
 __all__ = [
-    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode", "OpOverload", "StorageWeakRef",
+    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "module_tensor_dicts", "FakeTensorMode", "OpOverload", "StorageWeakRef",
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
     "fx_tracing_flag_cleared", "current_trace_graph", "has_internal_overlap", "has_kernel_for", "inductor_compiler",
     "make_fx", "op_schema",

@@ -67,3 +67,15 @@ def _notifying_removal(remove: Callable[[Any], None]) -> Callable[[Any], None]:
             for ref in (getattr(handle, "hooks_dict_ref", None), *getattr(handle, "extra_dict_ref", ())):
                 _module_observer[0](ref() if ref is not None else None, None)
     return functools.wraps(remove)(removing)
+
+
+def module_tensor_dicts(module: Any) -> dict[str, dict[str, Any]]:
+    """The live dicts in which `module` keeps its tensors: its parameters, its buffers and its plain
+    attributes (`vars`), by role. No public API hands out the first two for writing; where this
+    torch keeps them elsewhere, only the plain attributes are given."""
+    dicts = {"__dict__": vars(module)}
+    for slot in ("_parameters", "_buffers"):
+        held = vars(module).get(slot)
+        if isinstance(held, dict):
+            dicts[slot] = held
+    return dicts

@@ -14,6 +14,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
@@ -37,6 +38,8 @@ class FakeTensorModeWithFallback(FakeTensorMode):
     """
 
     def _dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func._schema.is_mutable:
+            args, kwargs = self._fakes_for_real(args, kwargs)
         try:
             return super()._dispatch_impl(func, types, args, kwargs)
         except (MetaKernelRejection, DataDependentOutputException, DynamicOutputShapeException,
@@ -44,6 +47,17 @@ class FakeTensorModeWithFallback(FakeTensorMode):
             raise
         except RuntimeError as rejected:
             return self._ask_the_real_kernel(func, args, kwargs, rejected)
+
+    def _fakes_for_real(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Real tensors among an in-place op's arguments (a closed-over tensor, a module buffer) as
+        fakes. FakeTensorMode runs an op whose tensors are all real for real (`c.add_(1)`), which would
+        update the caller's tensor once more at trace time, on top of the plan's update on every call."""
+        from torch.utils import _pytree
+
+        converter = self.fake_tensor_converter
+        return _pytree.tree_map_only(
+            torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else converter.from_real_tensor(self, t),
+            (args, kwargs))
 
     def _ask_the_real_kernel(self, func: Any, args: Any, kwargs: Any, rejected: RuntimeError) -> Any:
         from torch._subclasses import fake_tensor

@@ -230,3 +230,17 @@ def check_updates_allowed(tensors: Sequence[torch.Tensor], updated: Sequence[int
             f"df.jit({fn_name}) updates {name} in place while gradients are recorded: {what}. Update it under "
             f"torch.no_grad() (inside the function, or around the call), or pass {name}.detach() if the update "
             f"need not reach the autograd graph.")
+
+
+def check_no_inference_writes(tensors: Sequence[torch.Tensor], written: Sequence[int], names: Sequence[str],
+                              fn_name: str) -> None:
+    """Refuse a call, outside `torch.inference_mode()`, whose plan writes an inference tensor (one made
+    under inference mode). Eager PyTorch raises on the update; the plan would run its steps, some of
+    them writing into the input's memory, and fail at its write-back with torch's own error."""
+    for index in written:
+        if tensors[index].is_inference():
+            name = names[index]
+            raise InputError(
+                f"df.jit({fn_name}) writes {name} (an in-place update or a donated argument), an inference tensor "
+                f"made under torch.inference_mode(); eager PyTorch refuses to update one outside inference mode "
+                f"too. Call the function under torch.inference_mode(), or pass {name}.clone().")

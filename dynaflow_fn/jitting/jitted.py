@@ -22,6 +22,7 @@ its ops, as `jax.jit` inside `jax.jit` is inlined.
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from dataclasses import dataclass
@@ -140,6 +141,16 @@ class Jitted:
                     return self._compile(flat, signature), signature is not None
         self.hits += 1
         return replayer, True
+
+    def __deepcopy__(self, memo: dict) -> "Jitted":
+        """A jitted deep copy of the function, with an empty cache. Plans hold the original's tensors,
+        locks and graphs, which neither copy nor pickle; a module deep-copied along with its jitted
+        forward (`self.fast = df.jit(self.body)`) gets one of the copy, through `memo`."""
+        return Jitted(copy.deepcopy(self.fn, memo), self.options)
+
+    def __reduce__(self) -> tuple:
+        """Pickled (and `copy.copy`-ed) as the function and the options: the copy traces afresh."""
+        return Jitted, (self.fn, self.options)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """As a method (`@df.jit` in a class body): the jitted function bound to `instance`, one per

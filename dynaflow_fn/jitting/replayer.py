@@ -23,7 +23,7 @@ from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from ..runtime.shared_pool import SharedPool
 from .binding import Binding
-from .guard import Guard, check_no_aliasing, check_updates_allowed
+from .guard import Guard, check_no_aliasing, check_no_inference_writes, check_updates_allowed
 from .options import CUDAGRAPH
 from .pipeline import ColdStart
 
@@ -106,6 +106,8 @@ class Replayer:
         self.runs += 1
         if binding.written:
             check_no_aliasing(tensors, binding.written, binding.names, aliasing_others)
+            if not torch.is_inference_mode_enabled():
+                check_no_inference_writes(tensors, binding.written, binding.names, binding.fn_name)
         if binding.updated_under_grad and torch.is_grad_enabled():
             check_updates_allowed(tensors, binding.updated_under_grad, binding.names, binding.fn_name)
         executable = self.executable or self._build(tensors, None, resident)

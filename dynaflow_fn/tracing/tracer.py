@@ -45,10 +45,13 @@ from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program
 from ..ir.signature import ClosedOver, InputSpec, OutputSpec, Signature, device_of
 from ..ir.tree import TensorSpec
+from .attribute_writes import refusing_attribute_rebinds
 from .closure import closed_over_objects, lift_closed_over
 from .gradients import GradientFlow, gradient_flow, recording_grad_modes
+from .layout_writes import refuse_layout_writes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
+from .reseeding import refusing_reseeds
 
 _TRACING = threading.RLock()
 """make_fx and FX keep process-wide state while they trace (the patcher, the fx-tracing flag), so
@@ -115,9 +118,13 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
 
     observed: dict[str, Any] = {}
     flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed)
-    with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), \
-            _translate_errors(getattr(fn, "__name__", "fn")):
-        traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+    name = getattr(fn, "__name__", "fn")
+    called = lambda: observed["recorder"].called_modules() if "recorder" in observed else ()   # noqa: E731
+    with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), _translate_errors(name), \
+            refusing_reseeds(name):
+        with refusing_attribute_rebinds(fn, name, called):
+            traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+        refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
         traced, scopes, closed_over, flow = _functional(traced, fn, observed, [specs[i] for i in kinds.tensor_positions])
     recorder = observed["recorder"]
 

@@ -175,3 +175,36 @@ def test_jit_as_decorator_with_options():
     x = torch.randn(4)
     torch.testing.assert_close(f(x), x.exp())
     assert f.__name__ == "f"
+
+
+class _Holder(torch.nn.Module):
+    """A module keeping a jitted function of its own submodule, as model code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MLP((8, 16, 4))
+        self.fast = df.jit(self.body)
+
+
+def test_a_module_holding_a_jitted_function_deep_copies_and_pickles_with_it():
+    import copy
+    import io
+
+    original = _Holder()
+    x = torch.randn(4, 8)
+    original.fast(x)                                   # plans built: they must not be copied
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(original), torch.load(buffer, weights_only=False)):
+        assert clone.fast.fn is clone.body
+        with torch.no_grad():
+            for p in clone.body.parameters():
+                p.copy_(torch.randn_like(p))
+            y = torch.randn(4, 8)
+            torch.testing.assert_close(clone.fast(y), clone.body(y))
+            torch.testing.assert_close(original.fast(y), original.body(y))
+    shallow = copy.copy(original.fast)
+    assert shallow.fn is original.body
+    with torch.no_grad():
+        torch.testing.assert_close(shallow(x), original.body(x))

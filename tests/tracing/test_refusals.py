@@ -1,0 +1,116 @@
+"""Trace-time refusals of what a Plan cannot replay: seeding the global generator, changing an
+argument's layout in place, rebinding a tensor attribute. Each is compared with eager PyTorch where
+the function is fine, and the caller's state is checked to be left as it was where it is refused."""
+
+import pytest
+import torch
+
+import dynaflow_fn as df
+
+
+_OTHER_STATE = torch.Generator().manual_seed(99).get_state()
+
+
+@pytest.mark.parametrize("seed_inside", [
+    lambda: torch.manual_seed(1234),
+    lambda: torch.manual_seed(torch.initial_seed()),
+    lambda: torch.set_rng_state(_OTHER_STATE),
+])
+def test_a_function_that_seeds_the_global_generator_is_refused_and_the_generator_left_alone(seed_inside):
+    """A plan cannot replay torch.manual_seed: only the first call would be seeded, the rest would
+    draw other numbers than eager PyTorch does."""
+
+    def noisy(x):
+        seed_inside()
+        return x + torch.rand(x.shape)
+
+    x = torch.randn(3)
+    state = torch.get_rng_state()
+    with pytest.raises(df.errors.TraceError, match=r"noisy sets torch's global random generator.*Seed before"):
+        df.jit(noisy)(x)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_random_ops_without_seeding_still_trace_and_draw_fresh_numbers():
+    fast = df.jit(lambda x: x + torch.rand(x.shape))
+    x = torch.randn(3)
+    assert not torch.equal(fast(x), fast(x))
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: t.t_(), lambda t: t.unsqueeze_(0), lambda t: t.transpose_(0, 1), lambda t: t.resize_(6),
+    lambda t: t.as_strided_((3,), (1,)),
+])
+def test_changing_the_layout_of_an_argument_in_place_is_a_trace_error_naming_it(change):
+    def relayout(x):
+        change(x)
+        return x * 2
+
+    with pytest.raises(df.errors.TraceError, match=r"relayout changes the shape or strides of its argument x in "
+                                                   r"place \(aten\.\w+_.*use the out-of-place op"):
+        df.jit(relayout)(torch.randn(2, 3))
+
+
+def test_layout_ops_on_the_functions_own_tensors_or_leaving_the_layout_as_it_was_still_run():
+    def fine(x):
+        y = (x * 2).t_()
+        return y.unsqueeze_(0) + x.squeeze_().sum()
+
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(df.jit(fine)(x.clone()), fine(x.clone()))
+
+
+class _Stepping(torch.nn.Module):
+    """Rebinds a buffer and a plain tensor attribute in forward, as stateful model code may."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.hidden = torch.zeros(3)
+
+    def forward(self, x):
+        self.steps = self.steps + 1
+        self.hidden = self.hidden * 0.5 + x
+        return self.hidden * self.steps
+
+
+def test_assigning_a_new_tensor_to_a_module_attribute_is_refused_and_the_module_left_as_it_was():
+    module = _Stepping()
+    steps, hidden = module.steps, module.hidden
+    with pytest.raises(df.errors.TraceError, match=r"assigns a tensor .* to _Stepping\.hidden, _Stepping\.steps"
+                                                   r".*in place instead"):
+        df.jit(module)(torch.randn(3))
+    assert module.steps is steps and module.hidden is hidden
+    x = torch.randn(3)
+    torch.testing.assert_close(module(x), x)                 # eager use afterwards sees real tensors
+
+
+def test_updating_module_state_in_place_still_runs():
+    class InPlace(_Stepping):
+        def forward(self, x):
+            self.steps.add_(1)
+            self.hidden.mul_(0.5).add_(x)
+            return self.hidden * self.steps
+
+    eager, jitted = InPlace(), InPlace()
+    fast = df.jit(jitted)
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(fast(x), eager(x))
+
+
+def test_a_jitted_method_assigning_a_new_tensor_to_its_instance_is_refused():
+    class Accumulator:
+        def __init__(self):
+            self.total = torch.zeros(2)
+
+        @df.jit
+        def add(self, x):
+            self.total = self.total + x
+            return self.total * 1
+
+    acc = Accumulator()
+    total = acc.total
+    with pytest.raises(df.errors.TraceError, match=r"add assigns a tensor .* to Accumulator\.total"):
+        acc.add(torch.randn(2))
+    assert acc.total is total
