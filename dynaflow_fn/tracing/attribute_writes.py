@@ -6,8 +6,8 @@ the attribute to a fake tensor of the trace, so later calls read the stale value
 held a FakeTensor afterwards. Every module the trace called or can reach through the function
 (the module itself, `self`, closed-over modules, their submodules) is checked after the trace for
 a fake tensor among its parameters, buffers and attributes (the instance of a jitted method too,
-module or not); the attributes are put back as they
-were and the trace refused with the in-place form to use instead.
+module or not); the attributes are put back as they were and the trace refused with the in-place
+form to use instead.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ the real generators (random ops run on fake tensors), so a generator whose seed 
 while the function was traced was set by the function: the trace is refused and the generator put
 back as it was.
 
-The state is compared only while no other Python thread runs (tqdm's monitor aside) (another thread may draw random
-numbers meanwhile); the seed, which only seeding changes, is compared always.
+The state is compared only while no other Python thread runs (tqdm's monitor aside), since another
+thread may draw random numbers meanwhile; the seed, which only seeding changes, is compared always.
 """
 
 from __future__ import annotations
