@@ -53,8 +53,6 @@ class Replayer:
                             f"df.grad return the gradients), or call it under torch.no_grad() when no gradient "
                             f"is needed.").encode()
         self._building = threading.Lock()              # threads arriving at once capture once
-        self._pick_tensors, self._closed_over = binding.pick_tensors, binding.closed_over
-        self._build_outputs = binding.build_outputs
 
     @property
     def plan(self) -> Any:
@@ -62,9 +60,10 @@ class Replayer:
 
     def tensors_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
         """The plan's tensor inputs for a call with these leaves: the argument tensors, then the closed-over ones."""
-        tensors = list(self._pick_tensors(leaves))
-        if self._closed_over:
-            tensors += self._closed_over
+        binding = self.binding
+        tensors = list(binding.pick_tensors(leaves))
+        if binding.closed_over:
+            tensors += binding.closed_over
         return tensors
 
     # --- the ways to run --------------------------------------------------------------------------
@@ -119,7 +118,7 @@ class Replayer:
             outputs = self._build(tensors, executable, resident)(tensors)
         if torch.is_grad_enabled() and binding.differentiable and any(map(_REQUIRES_GRAD, tensors)):
             outputs = self._without_backward(outputs, tensors)
-        return self._build_outputs(outputs)
+        return binding.build_outputs(outputs)
 
     # --- building ---------------------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ import torch
 
 from .. import compat
 from ..errors import ResidentInputMoved
-from ..ir.tree import picker
 from ..plan.plan import Plan, StorageKind
 from .interpreter import BoundPlan, view_of
 from .shared_pool import SharedPool
@@ -73,7 +72,6 @@ class CudaGraphExecutable:
             self.copied_out = self._bind_outputs()
             input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
             self.output_input = [input_position.get(slot) for slot in plan.output_slots]
-            self.pick_outputs = picker(plan.output_slots)
             self._capture(device, inputs)
 
     def _static_input(self, index: int, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -137,7 +135,7 @@ class CudaGraphExecutable:
             if source is not self.static_inputs[i]:
                 self.static_inputs[i].copy_(source.detach() if source.requires_grad else source)
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[Any]:
         if not compat.data_ptrs_equal(inputs, self.addresses, self.resident):
             raise ResidentInputMoved()
         with self.turns:
@@ -147,7 +145,7 @@ class CudaGraphExecutable:
                 with torch.no_grad():
                     for i in self.write_back:
                         inputs[i].copy_(self.static_inputs[i])
-            outputs = self.pick_outputs(self.env)
+            outputs = self.bound.outputs(self.env)
             if self.static_outputs:
                 return outputs
             cloned: dict[int, torch.Tensor] = {}

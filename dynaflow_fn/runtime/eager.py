@@ -30,7 +30,7 @@ class EagerExecutable:
         self.turns = memory.turns if memory is not None else Turns(device)
 
     @torch.no_grad()
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[Any]:
         with self.turns:
             env = self.bound.new_env(inputs)
             self.bound.allocate_outputs(env)

@@ -8,7 +8,7 @@ steps simply run in issue order, which the verifier proves is equivalent.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import optree
 import torch
@@ -16,6 +16,7 @@ import torch
 from ..compat import sm_carveout, sm_carveout_supported
 from ..errors import InternalError
 from ..ir.ops import op_info
+from ..ir.tree import picker
 from ..plan.plan import Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
 from .collectives import all_reduce_on_current_stream
 
@@ -147,6 +148,7 @@ class BoundPlan:
     def __init__(self, plan: Plan, device: torch.device, arena: torch.Tensor | None = None):
         self.plan = plan
         self.device = device
+        self.outputs = picker(plan.output_slots)          # an env's output tensors, in one C call
         self.arena = arena if arena is not None else byte_buffer(plan.arena_nbytes, device)
         self.template: Env = [None] * len(plan.slots)
         for slot in plan.slots:
@@ -218,6 +220,3 @@ class BoundPlan:
                 events[event].record(stream)
             for slot in dead:
                 env[slot] = None
-
-    def outputs(self, env: Env) -> list[Any]:
-        return [env[slot] for slot in self.plan.output_slots]
