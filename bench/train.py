@@ -225,6 +225,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES))
     options = parser.parse_args()
     device = torch.device("cuda")
+    name = "train" if options.cases == list(CASES) else f"train-{'-'.join(options.cases)}"
     rows = []
     for case in options.cases:
         batch, tokens, kind = CASES[case]
@@ -232,8 +233,8 @@ def main() -> None:
         release()
         print_table(found, COLUMNS, f"{case}: training step ({torch.cuda.get_device_name()})")
         rows += found
-    name = "train" if options.cases == list(CASES) else f"train-{'-'.join(options.cases)}"
-    print(f"\nwrote {write_results(name, rows)}")
+        path = write_results(name, rows)      # after each case: a run stopped in a later case keeps this one
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
