@@ -45,7 +45,7 @@ class Replayer:
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
         self.changing: list[int] | None = None        # inputs the guard does not know by identity (see replay)
-        self.runs = 0                                  # calls run, to tell a move per call from a move now and then
+        self.runs = 0                                  # calls completed, to tell a move per call from one now and then
         self.moved_at: dict[int, int] = {}             # resident inputs that arrived at a new address: when
         self.copied_anyway: set[int] = set()           # ... on two calls in a row: copied in from then on
         self.no_backward = (f"backward through the outputs of df.jit({binding.fn_name}): a compiled plan records "
@@ -102,7 +102,6 @@ class Replayer:
         `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors;
         `aliasing_others` limits the aliasing check (see `replay`)."""
         binding = self.binding
-        self.runs += 1
         if binding.written:
             check_no_aliasing(tensors, binding.written, binding.names, aliasing_others)
             if not torch.is_inference_mode_enabled():
@@ -116,6 +115,7 @@ class Replayer:
             if not rebuild_if_moved:
                 raise
             outputs = self._build(tensors, executable, resident)(tensors)
+        self.runs += 1                      # once per call: a replay that found a resident moved ran nothing
         if torch.is_grad_enabled() and binding.differentiable and any(map(_REQUIRES_GRAD, tensors)):
             outputs = self._without_backward(outputs, tensors)
         return binding.build_outputs(outputs)

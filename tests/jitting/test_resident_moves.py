@@ -1,0 +1,62 @@
+"""When a resident input arrives at a new address: captured again, and copied in once it moves on two
+calls in a row. The CUDA-graph runtime is stood in for on the CPU by an interpreter that, as a
+captured graph is, stays bound to the addresses of its resident inputs; the same cases run on the
+real runtime in tests/runtime/test_cudagraph.py."""
+
+import warnings
+
+import pytest
+import torch
+
+import dynaflow_fn as df
+from dynaflow_fn.errors import ResidentInputMoved
+from dynaflow_fn.jitting import options, replayer
+from dynaflow_fn.runtime.eager import EagerExecutable
+
+
+class AddressBoundExecutable(EagerExecutable):
+    """Interprets the plan, but refuses resident inputs at other addresses than the ones it was built on."""
+
+    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None):
+        super().__init__(plan, device, memory)
+        self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
+        self.addresses = {i: inputs[i].data_ptr() for i in self.resident}
+
+    def __call__(self, inputs):
+        if any(inputs[i].data_ptr() != address for i, address in self.addresses.items()):
+            raise ResidentInputMoved()
+        return super().__call__(inputs)
+
+
+@pytest.fixture
+def address_bound_runtime(monkeypatch):
+    monkeypatch.setattr(replayer, "CudaGraphExecutable", AddressBoundExecutable)
+    monkeypatch.setattr(options.JitOptions, "runtime", lambda self, device: options.CUDAGRAPH)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+
+
+def scaled(cache, x):
+    return cache * 2 + x
+
+
+def test_a_resident_input_new_on_every_call_is_copied_in_after_its_second_move(address_bound_runtime):
+    fast = df.jit(scaled, persistent_argnums=(0,), progress=False)
+    x = torch.randn(4, 8)
+    caches = [torch.randn(4, 8) for _ in range(5)]           # all alive: every call's cache has its own address
+    with pytest.warns(UserWarning, match=r"cache is resident .* copied in on every call from now on") as caught:
+        for cache in caches:
+            torch.testing.assert_close(fast(cache, x), scaled(cache, x))
+    assert fast.cache_info().captures == 3                    # first call, first move, second move; then copied
+    assert len([w for w in caught if "is resident" in str(w.message)]) == 1
+
+
+def test_a_resident_input_replaced_now_and_then_stays_resident(address_bound_runtime):
+    fast = df.jit(scaled, persistent_argnums=(0,), progress=False)
+    x = torch.randn(4, 8)
+    caches = [torch.randn(4, 8) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                        # no demotion warning
+        for cache in caches:
+            for _ in range(3):
+                torch.testing.assert_close(fast(cache, x), scaled(cache, x))
+    assert fast.cache_info().captures == 3
