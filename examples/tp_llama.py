@@ -5,7 +5,7 @@ down projections; two all-reduces per layer combine the partial sums. The step i
 two and scheduled round-robin, so one micro-batch's all-reduce runs on the comm stream while the
 other computes. Rank 0 compares the result with the unsharded model.
 
-    torchrun --nproc-per-node 2 examples/tp_llama.py                  # NCCL on GPUs, gloo on CPUs
+    torchrun --nproc-per-node 2 examples/tp_llama.py                  # NCCL with a GPU per rank, else gloo on CPUs
     torchrun --nproc-per-node 2 examples/tp_llama.py --comm-ctas 8    # all-reduces on 8 thread blocks (NCCL)
 """
 
@@ -96,7 +96,7 @@ def main() -> None:
                         help="run the all-reduces on a dedicated communicator of this many thread blocks "
                              "(NCCL only: needs GPUs)")
     options = parser.parse_args()
-    if torch.cuda.is_available():
+    if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):     # a GPU for each rank
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)

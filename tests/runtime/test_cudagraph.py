@@ -1,5 +1,6 @@
 """CUDA-graph capture and replay. Skipped where there is no CUDA device."""
 
+import gc
 import warnings
 
 import pytest
@@ -11,6 +12,14 @@ from fixtures import training_step
 from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
 
 pytestmark = pytest.mark.cuda
+
+
+def _settled_memory() -> int:
+    """Device memory in use once garbage is collected: cycles left by earlier tests, freed whenever the
+    collector runs, would otherwise change the count between two readings."""
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
 
 
 def _to_cuda(params):
@@ -45,12 +54,10 @@ def test_replay_allocates_nothing(strategy):
     fast = df.jit(fn, static_outputs=True)
     x = torch.randn(4, 16, 32, device="cuda")
     fast(params, x)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = _settled_memory()
     for _ in range(10):
         fast(params, torch.randn(4, 16, 32, device="cuda"))
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    assert _settled_memory() == before
 
 
 def test_static_outputs_are_overwritten_and_fresh_outputs_are_not():
@@ -212,13 +219,11 @@ def test_train_step_graph_updates_parameters_in_place(backend):
         reference_params, reference_state, reference_loss = train_step(reference_params, reference_state, x, y)
         torch.testing.assert_close(loss, reference_loss, rtol=1e-4, atol=1e-5)
         if i == 1:
-            torch.cuda.synchronize()
-            memory = torch.cuda.memory_allocated()
+            memory = _settled_memory()
     for k in params:
         torch.testing.assert_close(params[k], reference_params[k], rtol=1e-4, atol=1e-5)
         assert params[k].data_ptr() == addresses[k]
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == memory
+    assert _settled_memory() == memory
     assert step.cache_info().captures == 1
     assert not step.lower(params, state, x, y).copy_steps()
 
