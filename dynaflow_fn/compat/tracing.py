@@ -7,7 +7,7 @@ the documented-in-code way torch.export and torch.compile do it, stable across 2
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import fx
@@ -74,6 +74,13 @@ class FakeTensorModeWithFallback(FakeTensorMode):
             return run_real(self, func, flat_args, args_spec, rejected)
         except KERNEL_ERRORS as real_error:
             raise MetaKernelRejection(func, str(real_error), confirmed=real_device) from rejected
+
+
+def fake_mode_of(values: Iterable[Any]) -> FakeTensorMode | None:
+    """The FakeTensorMode of the first fake tensor among `values` (None if there is none): the mode a
+    Program's values were traced in. Nodes added to a Program must carry fake values of that one mode:
+    Inductor, and anything else that runs ops on a graph's fake values, refuses inputs from two modes."""
+    return next((value.fake_mode for value in values if isinstance(value, FakeTensor)), None)
 
 
 def current_trace_graph() -> fx.Graph:

@@ -29,6 +29,7 @@ from torch import fx
 from ..compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensorMode,
     FakeTensorModeWithFallback,
     UnsupportedOperatorException,
     current_trace_graph,
@@ -96,12 +97,15 @@ def trace_flat(fn: Callable[..., Any], flat: tree.Flat) -> Program:
 
 def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
                    body: Callable[..., Any] | None = None, provenance: Sequence[str] = (),
-                   flat: tree.Flat | None = None) -> Program:
+                   flat: tree.Flat | None = None, fake_mode: FakeTensorMode | None = None) -> Program:
     """Trace `body` (default: `fn`) on the abstract values of (args, kwargs).
 
     `fn` supplies names (argument names, the module for qualified module names); `body` is what runs.
     Transforms that rewrite the function itself (microbatch) pass the rewritten body here, and the
     lines to add to the provenance after "trace". `flat` is (args, kwargs) flattened, if it is at hand.
+    `fake_mode` is the FakeTensorMode to trace in, by default a new one: a trace whose nodes go into
+    another Program (a substitution's) traces in that Program's mode (`compat.fake_mode_of`), so that
+    the Program's fake values keep one mode, which Inductor requires of the graphs it compiles.
     """
     body = fn if body is None else body
     arg_names = tree.argument_names(fn, len(args))
@@ -112,7 +116,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     specs = {i: TensorSpec.of(leaves[i]) for i in kinds.tensor_positions}
     _check_one_device(specs, path_strs)
 
-    fake_mode = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
+    if fake_mode is None:
+        fake_mode = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
     fakes = [specs[i].fake(fake_mode) for i in kinds.tensor_positions]
     static_leaves = {i: leaves[i] for i in kinds.static_positions}
 
@@ -125,7 +130,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         with refusing_attribute_rebinds(fn, name, called):
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
-        traced, scopes, closed_over, flow = _functional(traced, fn, observed, [specs[i] for i in kinds.tensor_positions])
+        traced, scopes, closed_over, flow = _functional(traced, fn, observed,
+                                                        [specs[i] for i in kinds.tensor_positions], fake_mode)
     recorder = observed["recorder"]
 
     out_paths, out_leaves, out_tree = observed["out"]
@@ -150,16 +156,17 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
 
 
 def _functional(traced: fx.GraphModule, fn: Callable[..., Any], observed: dict[str, Any],
-                specs: Sequence[TensorSpec]) -> tuple[fx.GraphModule, dict, tuple[ClosedOver, ...], GradientFlow]:
+                specs: Sequence[TensorSpec], fake_mode: FakeTensorMode
+                ) -> tuple[fx.GraphModule, dict, tuple[ClosedOver, ...], GradientFlow]:
     """The traced graph with closed-over tensors lifted to inputs and, if it mutates anything, made
-    functional; its nodes' scopes, the tensors lifted, and its gradient flow."""
+    functional (traced again in the trace's `fake_mode`, whose values the Program keeps); its nodes'
+    scopes, the tensors lifted, and its gradient flow."""
     scopes = observed["recorder"].finish()
     closed_over = lift_closed_over(traced, fn)
     flow = gradient_flow(traced.graph, observed["grad_recorded"])
     if any(ops.is_mutating(node.target) for node in traced.graph.nodes):
-        fresh = FakeTensorModeWithFallback(allow_non_fake_inputs=True)
-        traced, scopes = _functionalize(traced, scopes, [spec.fake(fresh) for spec in specs] +
-                                        [TensorSpec.of(c.tensor).fake(fresh) for c in closed_over])
+        traced, scopes = _functionalize(traced, scopes, [spec.fake(fake_mode) for spec in specs] +
+                                        [TensorSpec.of(c.tensor).fake(fake_mode) for c in closed_over])
     return traced, scopes, closed_over, flow
 
 

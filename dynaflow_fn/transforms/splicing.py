@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from ..compat import FakeTensorMode, fake_mode_of
 from ..errors import KERNEL_ERRORS, TransformError
 from ..ir import ops
 from ..ir.formatting import op_name, type_str
@@ -68,6 +69,12 @@ class RegionMatch:
             specs.append(TensorSpec.of(value))
         return specs
 
+    def fake_mode(self) -> FakeTensorMode | None:
+        """The FakeTensorMode of the Program's values (read off the region's inputs and nodes), which the
+        replacement must be traced in: spliced in with values of a mode of its own, it would hand Inductor
+        graphs whose inputs come from two modes, which it refuses to compile."""
+        return fake_mode_of(node.meta.get("val") for node in (*self.inputs, *self.nodes))
+
     def scopes(self) -> tuple[Scope, ...]:
         """The scopes every node of the region shares (outermost first): the region's own among them."""
         common = list(info(self.nodes[0]).scopes)
@@ -86,7 +93,7 @@ def trace_impl(impl: Callable[..., Any], match: RegionMatch, rule: str) -> Progr
         if ops.is_mutating(node.target):
             raise TransformError(f"{rule} matched a region that writes {_format_target(node)} in place; only "
                                  f"regions without side effects can be substituted")
-    replacement = trace_function(impl, tuple(match.input_specs(rule)), {})
+    replacement = trace_function(impl, tuple(match.input_specs(rule)), {}, fake_mode=match.fake_mode())
     if replacement.closed_over:
         names = ", ".join(c.name for c in replacement.closed_over)
         raise TransformError(f"the implementation for {rule} closes over tensors ({names}); pass what it reads "

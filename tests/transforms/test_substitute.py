@@ -1,5 +1,8 @@
 """T.substitute: what a rule matches runs the given implementation, and nothing else changes."""
 
+import warnings
+
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +11,9 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from dynaflow_fn.compat import FakeTensor
 from dynaflow_fn.errors import InputError, TransformError
+from dynaflow_fn.passes import inductor
 
 
 def doubled_linear(module, x):
@@ -106,6 +111,54 @@ def test_substitution_composes_with_microbatch_and_overlap_bit_for_bit():
     with torch.no_grad():
         torch.testing.assert_close(df.jit(overlapped)(params, x), sequential(params, x), rtol=0, atol=0)
         torch.testing.assert_close(df.jit(overlapped)(params, x), model(x))
+
+
+def fused_attention(x, norm_w, norm_b, qkv_w, qkv_b, proj_w, proj_b):
+    """The Block's attention region with one fused kernel (it stays aten under backend="inductor")."""
+    b, t, d = x.shape
+    q, k, v = F.linear(F.layer_norm(x, (d,), norm_w, norm_b), qkv_w, qkv_b).view(b, t, 3, 4, d // 4).permute(
+        2, 0, 3, 1, 4)
+    return x + F.linear(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d),
+                        proj_w, proj_b)
+
+
+def attention_written_in_place(x, *weights):
+    """unfused_attention, finished by an in-place op on its own result: functionalized when traced."""
+    h = unfused_attention(x, *weights).clone()
+    return h.mul_(1.0)
+
+
+def _fake_modes(program):
+    values = [v for n in program.graph.nodes for v in optree.tree_leaves(n.meta.get("val"))]
+    return {id(v.fake_mode) for v in values if isinstance(v, FakeTensor)}
+
+
+@pytest.mark.parametrize("impl", [fused_attention, unfused_attention, attention_written_in_place],
+                         ids=["fused", "unfused", "in-place"])
+def test_a_substituted_program_keeps_one_fake_mode(impl):
+    fn, params, x = block_and_input()
+    program = df.trace(T.substitute(fn, {T.Region("attn"): impl}), params, x)
+    assert len(_fake_modes(program)) == 1, "the replacement's values must be the program's own fakes"
+
+
+def test_the_stages_next_to_a_substituted_region_compile_with_inductor():
+    """The replacement's values share the program's fake mode: Inductor compiles the runs that read
+    them (it refuses inputs of two modes, and they ran as aten ops with a warning)."""
+    model = Block()
+    fn, params = df.pure(model)
+    fast = df.jit(T.substitute(fn, {T.Region("attn"): fused_attention}), backend="inductor", progress=False)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            x = torch.randn(2, 6, 32)
+            torch.testing.assert_close(fast(params, x), model(x), rtol=1e-4, atol=1e-5)
+        plan = fast.lower(params, x)
+    kinds = ["compiled" if isinstance(step.op, inductor.CompiledRun) else
+             "attention" if "scaled_dot_product" in str(step.op) else "aten" for step in plan.steps]
+    attention = kinds.index("attention")
+    assert "compiled" in kinds[:attention] and "compiled" in kinds[attention + 1:], kinds
+    assert not {"gelu", "addmm", "native_layer_norm"} & {step.op.overloadpacket.__name__ for step in plan.steps
+                                                         if isinstance(step.op, torch._ops.OpOverload)}
 
 
 # --- what is refused, and how -------------------------------------------------------------------
