@@ -7,6 +7,7 @@ the documented-in-code way torch.export and torch.compile do it, stable across 2
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -47,6 +48,30 @@ class FakeTensorModeWithFallback(FakeTensorMode):
             raise
         except RuntimeError as rejected:
             return self._ask_the_real_kernel(func, args, kwargs, rejected)
+
+    produced: list[tuple[weakref.ref, Any]] | None = None
+    """While `recording_results` runs: a weak reference to every fake tensor an op returned, with the op."""
+
+    if hasattr(FakeTensorMode, "dispatch"):        # the entry of every op, served from the cache or not
+        def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = super().dispatch(func, types, args, kwargs)
+            produced = self.produced
+            if produced is not None:
+                for value in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(value, FakeTensor):
+                        produced.append((weakref.ref(value), func))
+            return out
+
+    @contextlib.contextmanager
+    def recording_results(self) -> Iterator[list[tuple[weakref.ref, Any]]]:
+        """Record the fake tensors ops return meanwhile (weakly, so they die as they would): after a
+        trace, those still alive are held by someone. Where this torch's FakeTensorMode has no
+        `dispatch` to hook, nothing is recorded."""
+        outer, self.produced = self.produced, []
+        try:
+            yield self.produced
+        finally:
+            self.produced = outer
 
     def _fakes_for_real(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Real tensors among an in-place op's arguments (a closed-over tensor, a module buffer) as

@@ -48,6 +48,7 @@ from ..ir.signature import ClosedOver, InputSpec, OutputSpec, Signature, device_
 from ..ir.tree import TensorSpec
 from .attribute_writes import refusing_attribute_rebinds
 from .closure import closed_over_objects, lift_closed_over
+from .escapes import refuse_escaped_tensors
 from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .layout_writes import refuse_layout_writes
 from .mode_reads import recording_mode_reads, shadows_flag
@@ -127,8 +128,9 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     called = lambda: observed["recorder"].called_modules() if "recorder" in observed else ()   # noqa: E731
     with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), _translate_errors(name), \
             refusing_reseeds(name):
-        with refusing_attribute_rebinds(fn, name, called):
+        with refusing_attribute_rebinds(fn, name, called), fake_mode.recording_results() as produced:
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+        refuse_escaped_tensors(produced, traced.graph, (fakes, observed.get("out")), fn, name)
         refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
         traced, scopes, closed_over, flow = _functional(traced, fn, observed,
                                                         [specs[i] for i in kinds.tensor_positions], fake_mode)

@@ -205,6 +205,22 @@ def test_a_meta_kernel_stricter_than_the_real_one_defers_to_it(monkeypatch):
     assert _fake_mm_shape(7, 13, 11) == (7, 11)      # the original meta kernel again, for every later test
 
 
+def test_recording_results_follows_every_op_result_weakly_and_its_fallback_records_nothing(monkeypatch):
+    mode = compat.FakeTensorModeWithFallback(allow_non_fake_inputs=True)
+    x = mode.from_tensor(torch.randn(4))
+    with mode.recording_results() as produced:
+        with mode:
+            kept = [x + 1, x + 1]                  # the second is served from FakeTensorMode's cache
+            torch.chunk(x, 2)                      # results dropped at once
+    assert [op for _, op in produced][:2] == [torch.ops.aten.add.Tensor] * 2
+    assert all(ref() is tensor for (ref, _), tensor in zip(produced, kept))
+    assert all(ref() is None for ref, op in produced if op is not torch.ops.aten.add.Tensor)
+    monkeypatch.delattr(compat.FakeTensorModeWithFallback, "dispatch")   # a torch without the hook
+    with mode.recording_results() as produced, mode:
+        assert (x * 2).shape == (4,)
+    assert produced == []
+
+
 def test_current_stream_id_and_workspace_clearing_without_cuda(monkeypatch):
     compat.clear_cublas_workspaces()                                 # a no-op without CUDA, never an error
     monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)

@@ -1,5 +1,5 @@
 """Trace-time refusals of what a Plan cannot replay: seeding the global generator, changing an
-argument's layout in place, rebinding a tensor attribute. Each is compared with eager PyTorch where
+argument's layout in place, rebinding a tensor attribute, keeping a computed tensor in Python state. Each is compared with eager PyTorch where
 the function is fine, and the caller's state is checked to be left as it was where it is refused."""
 
 import pytest
@@ -119,3 +119,54 @@ def test_a_jitted_method_assigning_a_new_tensor_to_its_instance_is_refused():
     with pytest.raises(df.errors.TraceError, match=r"add assigns a tensor .* to Accumulator\.total"):
         acc.add(torch.randn(2))
     assert acc.total is total
+
+
+captured_by_hook = []
+
+
+def test_a_forward_hook_that_keeps_activations_is_refused_naming_the_op_and_the_holder():
+    """Activation capture through a hook: on later calls a plan would append nothing, and the first
+    call would leave a placeholder without data in the list."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    handle = model[1].register_forward_hook(lambda module, args, out: captured_by_hook.append(out))
+    try:
+        fn, params = df.pure(model)
+        with pytest.raises(df.errors.TraceError, match=r"keeps a tensor it computes outside itself.*"
+                                                       r"aten\.relu.*float32\[3, 4\].*held by a list"):
+            df.jit(fn, progress=False)(params, torch.randn(3, 4))
+        assert captured_by_hook == []                          # the placeholder taken out again
+    finally:
+        handle.remove()
+        captured_by_hook.clear()
+
+
+class Store:
+    pass
+
+
+@pytest.mark.parametrize("keep, holder", [
+    (lambda kept, h: kept["list"].append(h), r"a list `kept_list`"),
+    (lambda kept, h: kept["dict"].update(last=h), r"a dict `kept_dict`"),
+    (lambda kept, h: setattr(kept["object"], "last", h), r"attribute 'last' of a Store `kept_object`"),
+], ids=["list", "dict", "attribute"])
+def test_a_function_that_keeps_an_intermediate_tensor_is_refused_naming_where(keep, holder):
+    kept_list, kept_dict, kept_object = [], {}, Store()
+
+    def leaky(x):
+        h = x * 2
+        keep({"list": kept_list, "dict": kept_dict, "object": kept_object}, h)
+        return h + 1
+
+    with pytest.raises(df.errors.TraceError, match=rf"leaky keeps .*aten\.mul.*held by {holder}"):
+        df.jit(leaky, progress=False)(torch.randn(3))
+    assert kept_list == [] and kept_dict == {}                 # lists and dicts are put back as they were
+
+
+def test_outputs_that_view_intermediates_and_tensors_kept_only_by_the_trace_are_no_escape():
+    def f(x, w):
+        h = x @ w
+        return h.view(-1), h.t(), (x * 2).detach()[0]
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    for actual, expected in zip(df.jit(f, progress=False)(x, w), f(x, w)):
+        torch.testing.assert_close(actual, expected)

@@ -1,0 +1,141 @@
+"""Refusing a function that keeps a tensor it computes somewhere outside itself while it is traced.
+
+A Plan replays the aten ops a trace recorded; Python code around them runs once, at trace time. A
+function (or a forward hook of one of its modules) that stores an intermediate tensor in Python
+state, as activation capture does (`acts.append(out)`), stores a fake tensor there on the first
+call, and nothing on any later call: the caller's list holds a placeholder without data, and no
+error says why. So the fake tensors ops return during a trace are followed weakly, and any that is
+still alive once the trace is done, other than the ones the trace itself keeps (its inputs, its
+outputs, the graph's recorded values), was kept by the function: the trace is refused, naming the op
+that made the tensor and what holds it.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+import optree
+import torch
+from torch import fx
+
+from ..errors import TraceError
+from ..ir.formatting import op_name
+
+
+def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: fx.Graph, kept: Iterable[Any],
+                           fn: Callable[..., Any], fn_name: str) -> None:
+    """Raise a TraceError if a tensor recorded in `produced` outlived the trace of `fn` in Python state.
+
+    `kept` holds what the trace keeps on purpose (its fake inputs and the function's outputs); the
+    graph's nodes keep their recorded values. A tensor kept alive only from C++ (the base of an output
+    that is a view of it, a tensor autograd saved) is no one's Python state and escapes nothing."""
+    ours = {id(leaf) for node in graph.nodes for leaf in optree.tree_leaves(node.meta.get("val"))}
+    ours |= {id(leaf) for leaf in optree.tree_leaves(list(kept)) if isinstance(leaf, torch.Tensor)}
+    if not any(ref() is not None and id(ref()) not in ours for ref, _ in produced):
+        return
+    gc.collect()                            # a reference cycle (a traceback, a frame) may hold one for a while
+    suspects, ops = [], []
+    for ref, op in produced:
+        tensor = ref()
+        if tensor is not None and id(tensor) not in ours:
+            suspects.append(tensor)
+            ops.append(op)
+    held = [(holder, index) for holder in gc.get_referrers(*suspects)
+            if holder is not suspects and not isinstance(holder, types.FrameType)
+            for index, tensor in enumerate(suspects) if _holds(holder, tensor)]
+    if not held:
+        return
+    first, index = held[0]
+    tensor, where = suspects[index], _describe(first, suspects[index], fn)
+    for holder, kept_index in held:
+        _take_out(holder, suspects[kept_index])
+    raise TraceError(
+        f"{fn_name} keeps a tensor it computes outside itself while it is traced: the result of "
+        f"{op_name(ops[index])} ({_type_text(tensor)}) is held by {where}. A jitted function "
+        f"replays only tensor ops, so that holder would keep a placeholder without data, and later calls "
+        f"would store nothing there. Return the tensor from the function instead (for activations a hook "
+        f"collects, return them from the function, or run the model without df.jit while capturing).")
+
+
+def _take_out(holder: Any, tensor: torch.Tensor) -> None:
+    """Put a list or dict back as it was before the trace added `tensor` (other holders stay as they are)."""
+    if type(holder) is list:
+        holder[:] = [item for item in holder if item is not tensor]
+    elif type(holder) is dict and _key_of(holder, tensor) is not None:
+        for key in [key for key, value in holder.items() if value is tensor]:
+            del holder[key]
+
+
+def _type_text(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def _holds(holder: Any, tensor: torch.Tensor) -> bool:
+    if isinstance(holder, dict):
+        return any(value is tensor for value in holder.values())
+    if isinstance(holder, (list, tuple, set, frozenset)):
+        return any(item is tensor for item in holder)
+    if isinstance(holder, types.CellType):
+        return _filled(holder) and holder.cell_contents is tensor
+    return True                             # another object that refers to it (a deque, a user class)
+
+
+def _describe(holder: Any, tensor: torch.Tensor, fn: Callable[..., Any]) -> str:
+    """`holder` in words: by the name `fn` (or a function it refers to, such as a hook) gives it, an
+    attribute by its owner's type, else by its type."""
+    if type(holder) is dict:                # an object's __dict__, where Python keeps one apart
+        owner = next((o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder), None)
+        if owner is not None:
+            holder = owner
+    name = _name_in(holder, fn)
+    attributes = getattr(holder, "__dict__", None)
+    if isinstance(attributes, dict) and _key_of(attributes, tensor) is not None:
+        owner = f"a {type(holder).__name__}" + (f" `{name}`" if name else "")
+        return f"attribute {_key_of(attributes, tensor)!r} of {owner}"
+    kind = {list: "a list", dict: "a dict", set: "a set", tuple: "a tuple",
+            types.CellType: "a variable of an enclosing function"}.get(type(holder), f"a {type(holder).__name__}")
+    return f"{kind} `{name}`" if name else kind
+
+
+def _key_of(mapping: dict, value: Any) -> Any | None:
+    for key, item in mapping.items():
+        if item is value:
+            return key
+    return None
+
+
+def _name_in(holder: Any, fn: Callable[..., Any]) -> str | None:
+    """The name `fn` (or a function among its globals and closure, such as a hook) gives `holder`."""
+    seen: set[int] = set()
+    functions = [fn]
+    while functions:
+        function = functions.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        code = getattr(function, "__code__", None)
+        if code is None:
+            function = getattr(function, "__func__", None) or getattr(function, "forward", None)
+            if function is not None:
+                functions.append(function)
+            continue
+        cells = zip(code.co_freevars, function.__closure__ or ())
+        named = [(n, c.cell_contents) for n, c in cells if _filled(c)]
+        named += [(n, function.__globals__[n]) for n in code.co_names if n in function.__globals__]
+        for name, value in named:
+            if value is holder:
+                return name
+            if isinstance(value, types.FunctionType):
+                functions.append(value)
+    return None
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
