@@ -211,6 +211,12 @@ def _tensor_inside(value: Any) -> str | None:
     return None
 
 
+OWN_GENERATOR_ADVICE = (
+    "A plan's random ops draw from torch's global generator, advanced on every call as eager PyTorch "
+    "advances it; a generator of the function's own cannot be replayed. Seed the global generator before "
+    "the call (torch.manual_seed), or draw the random tensors outside the function and pass them in.")
+
+
 def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Sequence[str]) -> LeafKinds:
     """Split leaves into tensors and static values; raise InputError naming any other leaf."""
     tensors, statics = [], []
@@ -235,6 +241,8 @@ def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Se
             kind = type(leaf).__name__
             if type(leaf).__module__ == "numpy":
                 hint = "Convert it with torch.as_tensor."
+            elif isinstance(leaf, torch.Generator):
+                hint = OWN_GENERATOR_ADVICE
             elif getattr(type(leaf), "__hash__", None) is not None and type(leaf).__eq__ is object.__eq__:
                 hint = ("It compares by identity, so every new instance would trace again: make it a frozen "
                         "dataclass (value equality) or pass its fields.")

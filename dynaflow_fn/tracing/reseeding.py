@@ -8,6 +8,9 @@ the real generators (random ops run on fake tensors), so a generator whose seed 
 while the function was traced was set by the function: the trace is refused and the generator put
 back as it was.
 
+A generator of the function's own (`torch.rand(..., generator=g)` with `g` closed over) reaches the
+graph as a constant whose state no plan replays, so it is refused too.
+
 The state is compared only while no other Python thread runs (tqdm's monitor aside), since another
 thread may draw random numbers meanwhile; the seed, which only seeding changes, is compared always.
 """
@@ -21,6 +24,7 @@ from typing import Iterator
 import torch
 
 from ..errors import TraceError
+from ..ir.tree import OWN_GENERATOR_ADVICE
 
 
 def _generators() -> list[torch.Generator]:
@@ -57,3 +61,12 @@ def refusing_reseeds(fn_name: str) -> Iterator[None]:
         f"torch.set_rng_state, ...) on {', '.join(str(g.device) for g in changed)}. A jitted function "
         f"replays only tensor ops, so the seeding would happen on the first call alone and later calls "
         f"would draw different numbers than eager PyTorch. Seed before calling the jitted function instead.")
+
+
+def refuse_own_generators(graph_module: torch.fx.GraphModule, fn_name: str) -> None:
+    """Raise a TraceError if an op of the traced graph draws from a generator other than the global one."""
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(graph_module, node.target, None), torch.Generator):
+            users = ", ".join(str(user.target) for user in node.users)
+            raise TraceError(f"{fn_name} draws random numbers from a torch.Generator of its own ({users} with "
+                             f"generator=...). {OWN_GENERATOR_ADVICE}")

@@ -53,7 +53,7 @@ from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .layout_writes import refuse_layout_writes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
-from .reseeding import refusing_reseeds
+from .reseeding import refuse_own_generators, refusing_reseeds
 
 _TRACING = threading.RLock()
 """make_fx and FX keep process-wide state while they trace (the patcher, the fx-tracing flag), so
@@ -132,6 +132,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
         refuse_escaped_tensors(produced, traced.graph, (fakes, observed.get("out")), fn, name)
         refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
+        refuse_own_generators(traced, name)
         traced, scopes, closed_over, flow = _functional(traced, fn, observed,
                                                         [specs[i] for i in kinds.tensor_positions], fake_mode)
     recorder = observed["recorder"]

@@ -170,3 +170,22 @@ def test_outputs_that_view_intermediates_and_tensors_kept_only_by_the_trace_are_
     x, w = torch.randn(3, 4), torch.randn(4, 4)
     for actual, expected in zip(df.jit(f, progress=False)(x, w), f(x, w)):
         torch.testing.assert_close(actual, expected)
+
+
+def test_a_generator_of_the_functions_own_is_refused_with_what_to_do_instead():
+    closed_over = torch.Generator().manual_seed(0)
+
+    def noisy(x):
+        return x + torch.rand(x.shape, generator=closed_over)
+
+    def noisy_from(x, generator):
+        return x + torch.rand(x.shape, generator=generator)
+
+    state = closed_over.get_state()
+    with pytest.raises(df.errors.TraceError, match=r"noisy draws random numbers from a torch.Generator of its own "
+                                                   r"\(aten.rand.generator.*Seed the global generator"):
+        df.jit(noisy, progress=False)(torch.randn(3))
+    assert torch.equal(closed_over.get_state(), state)
+    with pytest.raises(df.errors.InputError, match=r"argument generator is a Generator.*draw the random tensors "
+                                                   r"outside the function"):
+        df.jit(noisy_from, progress=False)(torch.randn(3), closed_over)
