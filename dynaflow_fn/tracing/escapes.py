@@ -13,9 +13,11 @@ that made the tensor and what holds it.
 from __future__ import annotations
 
 import gc
+import sys
 import types
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from collections import Counter
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -25,26 +27,33 @@ from ..errors import TraceError
 from ..ir.formatting import op_name
 
 
-def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: fx.Graph, kept: Iterable[Any],
-                           fn: Callable[..., Any], fn_name: str) -> None:
+def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: fx.Graph, inputs: Sequence[Any],
+                           outputs: list[Any], fn: Callable[..., Any], fn_name: str) -> None:
     """Raise a TraceError if a tensor recorded in `produced` outlived the trace of `fn` in Python state.
 
-    `kept` holds what the trace keeps on purpose (its fake inputs and the function's outputs); the
-    graph's nodes keep their recorded values. A tensor kept alive only from C++ (the base of an output
-    that is a view of it, a tensor autograd saved) is no one's Python state and escapes nothing."""
+    The trace keeps its fake `inputs`, the list of the function's `outputs` and the graph's recorded
+    values. An output that the function (a hook on the whole model, say) also stored somewhere has
+    more references than that list's: those are checked like the rest. A tensor kept alive only from
+    C++ (the base of an output that is a view of it, a tensor autograd saved) is no one's Python state
+    and escapes nothing."""
     ours = {id(leaf) for node in graph.nodes for leaf in optree.tree_leaves(node.meta.get("val"))}
-    ours |= {id(leaf) for leaf in optree.tree_leaves(list(kept)) if isinstance(leaf, torch.Tensor)}
-    if not any(ref() is not None and id(ref()) not in ours for ref, _ in produced):
+    ours |= {id(tensor) for tensor in inputs}
+    listed = Counter(id(leaf) for leaf in outputs)
+    for leaf in outputs:                    # references: the list's, this loop's and getrefcount's argument
+        if isinstance(leaf, torch.Tensor) and sys.getrefcount(leaf) <= listed[id(leaf)] + 2:
+            ours.add(id(leaf))
+    candidates = [(ref, op) for ref, op in produced if ref() is not None and id(ref()) not in ours]
+    if not candidates:
         return
     gc.collect()                            # a reference cycle (a traceback, a frame) may hold one for a while
     suspects, ops = [], []
-    for ref, op in produced:
+    for ref, op in candidates:
         tensor = ref()
-        if tensor is not None and id(tensor) not in ours:
+        if tensor is not None:
             suspects.append(tensor)
             ops.append(op)
     held = [(holder, index) for holder in gc.get_referrers(*suspects)
-            if holder is not suspects and not isinstance(holder, types.FrameType)
+            if holder is not suspects and holder is not outputs and not isinstance(holder, types.FrameType)
             for index, tensor in enumerate(suspects) if _holds(holder, tensor)]
     if not held:
         return

@@ -130,7 +130,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             refusing_reseeds(name):
         with refusing_attribute_rebinds(fn, name, called), fake_mode.recording_results() as produced:
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-        refuse_escaped_tensors(produced, traced.graph, (fakes, observed.get("out")), fn, name)
+        refuse_escaped_tensors(produced, traced.graph, fakes, observed["out"][1], fn, name)
         refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
         refuse_own_generators(traced, name)
         traced, scopes, closed_over, flow = _functional(traced, fn, observed,

@@ -124,15 +124,18 @@ def test_a_jitted_method_assigning_a_new_tensor_to_its_instance_is_refused():
 captured_by_hook = []
 
 
-def test_a_forward_hook_that_keeps_activations_is_refused_naming_the_op_and_the_holder():
+@pytest.mark.parametrize("hooked, op, shape", [(lambda model: model[1], "relu", "3, 4"),
+                                               (lambda model: model, "addmm", "3, 2")], ids=["inner", "whole-model"])
+def test_a_forward_hook_that_keeps_activations_is_refused_naming_the_op_and_the_holder(hooked, op, shape):
     """Activation capture through a hook: on later calls a plan would append nothing, and the first
-    call would leave a placeholder without data in the list."""
+    call would leave a placeholder without data in the list. A hook on the whole model keeps the
+    function's own output, which the trace keeps too."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    handle = model[1].register_forward_hook(lambda module, args, out: captured_by_hook.append(out))
+    handle = hooked(model).register_forward_hook(lambda module, args, out: captured_by_hook.append(out))
     try:
         fn, params = df.pure(model)
-        with pytest.raises(df.errors.TraceError, match=r"keeps a tensor it computes outside itself.*"
-                                                       r"aten\.relu.*float32\[3, 4\].*held by a list"):
+        with pytest.raises(df.errors.TraceError, match=rf"keeps a tensor it computes outside itself.*"
+                                                       rf"aten\.{op}.*float32\[{shape}\].*held by a list"):
             df.jit(fn, progress=False)(params, torch.randn(3, 4))
         assert captured_by_hook == []                          # the placeholder taken out again
     finally:
