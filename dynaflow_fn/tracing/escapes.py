@@ -1,4 +1,4 @@
-"""Refusing a function that keeps a tensor it computes somewhere outside itself while it is traced.
+"""Refusing a function that keeps a tensor of its trace somewhere outside itself while it is traced.
 
 A Plan replays the aten ops a trace recorded; Python code around them runs once, at trace time. A
 function (or a forward hook of one of its modules) that stores an intermediate tensor in Python
@@ -6,8 +6,9 @@ state, as activation capture does (`acts.append(out)`), stores a fake tensor the
 call, and nothing on any later call: the caller's list holds a placeholder without data, and no
 error says why. So the fake tensors ops return during a trace are followed weakly, and any that is
 still alive once the trace is done, other than the ones the trace itself keeps (its inputs, its
-outputs, the graph's recorded values), was kept by the function: the trace is refused, naming the op
-that made the tensor and what holds it.
+outputs, the graph's recorded values), was kept by the function; so is an argument the function
+saw, or an output, held by more than the trace. The trace is refused, naming the op that made the
+tensor (or the argument) and what holds it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..ir.formatting import op_name
 def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: fx.Graph, inputs: Sequence[Any],
                            outputs: list[Any], fn: Callable[..., Any], fn_name: str) -> None:
     """Raise a TraceError if a tensor recorded in `produced` outlived the trace of `fn` in Python state.
+    Each is recorded with the op that made it, or with words that say what it is (an argument).
 
     The trace keeps its fake `inputs`, the list of the function's `outputs` and the graph's recorded
     values. An output that the function (a hook on the whole model, say) also stored somewhere has
@@ -62,8 +64,8 @@ def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: f
     for holder, kept_index in held:
         _take_out(holder, suspects[kept_index])
     raise TraceError(
-        f"{fn_name} keeps a tensor it computes outside itself while it is traced: the result of "
-        f"{op_name(ops[index])} ({_type_text(tensor)}) is held by {where}. A jitted function "
+        f"{fn_name} keeps a tensor outside itself while it is traced: {_what(ops[index])} "
+        f"({_type_text(tensor)}) is held by {where}. A jitted function "
         f"replays only tensor ops, so that holder would keep a placeholder without data, and later calls "
         f"would store nothing there. Return the tensor from the function instead (for activations a hook "
         f"collects, return them from the function, or run the model without df.jit while capturing).")
@@ -76,6 +78,10 @@ def _take_out(holder: Any, tensor: torch.Tensor) -> None:
     elif type(holder) is dict and _key_of(holder, tensor) is not None:
         for key in [key for key, value in holder.items() if value is tensor]:
             del holder[key]
+
+
+def _what(made_by: Any) -> str:
+    return made_by if isinstance(made_by, str) else f"the result of {op_name(made_by)}"
 
 
 def _type_text(tensor: torch.Tensor) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import os
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -130,7 +131,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             refusing_reseeds(name):
         with refusing_attribute_rebinds(fn, name, called), fake_mode.recording_results() as produced:
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-        refuse_escaped_tensors(produced, traced.graph, fakes, observed["out"][1], fn, name)
+        arguments = [(ref, f"its argument {path_strs[i]}") for ref, i in zip(observed["inputs"], kinds.tensor_positions)]
+        refuse_escaped_tensors([*produced, *arguments], traced.graph, fakes, observed["out"][1], fn, name)
         refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
         refuse_own_generators(traced, name)
         traced, scopes, closed_over, flow = _functional(traced, fn, observed,
@@ -177,9 +179,10 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
                tensor_positions: Sequence[int], observed: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
     """`body` as a function of the tensor leaves alone, the form make_fx traces. The static leaves
     are put back in their places; what only the run can tell (the scope recorder, the training flags
-    read, the output pytree) is left in `observed`."""
+    read, the output pytree, the fake inputs the function saw) is left in `observed`."""
 
     def flat_body(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        observed["inputs"] = [weakref.ref(tensor) for tensor in tensors]     # the fakes the function sees
         full = list(leaves)
         for position, tensor in zip(tensor_positions, tensors):
             full[position] = tensor

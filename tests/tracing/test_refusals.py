@@ -124,18 +124,20 @@ def test_a_jitted_method_assigning_a_new_tensor_to_its_instance_is_refused():
 captured_by_hook = []
 
 
-@pytest.mark.parametrize("hooked, op, shape", [(lambda model: model[1], "relu", "3, 4"),
-                                               (lambda model: model, "addmm", "3, 2")], ids=["inner", "whole-model"])
-def test_a_forward_hook_that_keeps_activations_is_refused_naming_the_op_and_the_holder(hooked, op, shape):
+@pytest.mark.parametrize("hooked, kept, what, shape", [
+    (lambda model: model[1], lambda args, out: out, r"the result of aten\.relu", "3, 4"),
+    (lambda model: model, lambda args, out: out, r"the result of aten\.addmm", "3, 2"),
+], ids=["inner-output", "whole-model-output"])
+def test_a_forward_hook_that_keeps_activations_is_refused_naming_the_op_and_the_holder(hooked, kept, what, shape):
     """Activation capture through a hook: on later calls a plan would append nothing, and the first
     call would leave a placeholder without data in the list. A hook on the whole model keeps the
     function's own output, which the trace keeps too."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    handle = hooked(model).register_forward_hook(lambda module, args, out: captured_by_hook.append(out))
+    handle = hooked(model).register_forward_hook(lambda module, args, out: captured_by_hook.append(kept(args, out)))
     try:
         fn, params = df.pure(model)
-        with pytest.raises(df.errors.TraceError, match=rf"keeps a tensor it computes outside itself.*"
-                                                       rf"aten\.{op}.*float32\[{shape}\].*held by a list"):
+        with pytest.raises(df.errors.TraceError, match=rf"keeps a tensor outside itself.*"
+                                                       rf"{what} \(float32\[{shape}\]\).*held by a list"):
             df.jit(fn, progress=False)(params, torch.randn(3, 4))
         assert captured_by_hook == []                          # the placeholder taken out again
     finally:
@@ -160,9 +162,15 @@ def test_a_function_that_keeps_an_intermediate_tensor_is_refused_naming_where(ke
         keep({"list": kept_list, "dict": kept_dict, "object": kept_object}, h)
         return h + 1
 
-    with pytest.raises(df.errors.TraceError, match=rf"leaky keeps .*aten\.mul.*held by {holder}"):
+    def keeps_its_argument(x):
+        keep({"list": kept_list, "dict": kept_dict, "object": kept_object}, x)
+        return x + 1
+
+    with pytest.raises(df.errors.TraceError, match=rf"leaky keeps .*the result of aten\.mul.*held by {holder}"):
         df.jit(leaky, progress=False)(torch.randn(3))
     assert kept_list == [] and kept_dict == {}                 # lists and dicts are put back as they were
+    with pytest.raises(df.errors.TraceError, match=rf"keeps_its_argument keeps .*its argument x .*held by {holder}"):
+        df.jit(keeps_its_argument, progress=False)(torch.randn(3))
 
 
 def test_outputs_that_view_intermediates_and_tensors_kept_only_by_the_trace_are_no_escape():
