@@ -41,8 +41,10 @@ def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: f
     ours = {id(leaf) for node in graph.nodes for leaf in optree.tree_leaves(node.meta.get("val"))}
     ours |= {id(tensor) for tensor in inputs}
     listed = Counter(id(leaf) for leaf in outputs)
-    for leaf in outputs:                    # references: the list's, this loop's and getrefcount's argument
-        if isinstance(leaf, torch.Tensor) and sys.getrefcount(leaf) <= listed[id(leaf)] + 2:
+    for probe in [object()]:                # what getrefcount counts besides the list, on this interpreter
+        own = sys.getrefcount(probe) - 1
+    for leaf in outputs:
+        if isinstance(leaf, torch.Tensor) and sys.getrefcount(leaf) <= listed[id(leaf)] + own:
             ours.add(id(leaf))
     candidates = [(ref, op) for ref, op in produced if ref() is not None and id(ref()) not in ours]
     if not candidates:

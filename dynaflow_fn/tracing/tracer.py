@@ -131,10 +131,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             refusing_reseeds(name):
         with refusing_attribute_rebinds(fn, name, called), fake_mode.recording_results() as produced:
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
-        arguments = [(ref, f"its argument {path_strs[i]}") for ref, i in zip(observed["inputs"], kinds.tensor_positions)]
-        refuse_escaped_tensors([*produced, *arguments], traced.graph, fakes, observed["out"][1], fn, name)
-        refuse_layout_writes(traced.graph, name, [path_strs[i] for i in kinds.tensor_positions])
-        refuse_own_generators(traced, name)
+        _refuse_what_no_plan_replays(traced, produced, observed, fakes, [path_strs[i] for i in kinds.tensor_positions],
+                                     fn, name)
         traced, scopes, closed_over, flow = _functional(traced, fn, observed,
                                                         [specs[i] for i in kinds.tensor_positions], fake_mode)
     recorder = observed["recorder"]
@@ -158,6 +156,17 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
         objects_read=tuple({id(o): o for o in (*recorder.called_modules(), *closed_over_objects(fn))}.values()),
         gradient_flow=flow,
     )
+
+
+def _refuse_what_no_plan_replays(traced: fx.GraphModule, produced: list, observed: dict[str, Any],
+                                 fakes: Sequence[torch.Tensor], tensor_paths: Sequence[str], fn: Callable[..., Any],
+                                 name: str) -> None:
+    """The checks that need the finished trace: tensors the function kept outside itself (op results
+    and the arguments it saw), layouts of arguments changed in place, generators of its own."""
+    arguments = [(ref, f"its argument {path}") for ref, path in zip(observed["inputs"], tensor_paths)]
+    refuse_escaped_tensors([*produced, *arguments], traced.graph, fakes, observed["out"][1], fn, name)
+    refuse_layout_writes(traced.graph, name, tensor_paths)
+    refuse_own_generators(traced, name)
 
 
 def _functional(traced: fx.GraphModule, fn: Callable[..., Any], observed: dict[str, Any],
