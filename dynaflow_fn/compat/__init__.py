@@ -48,7 +48,8 @@ from .tracing import (
 )
 
 __all__ = [
-    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "module_tensor_dicts", "FakeTensorMode", "OpOverload", "StorageWeakRef",
+    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "OpOverload",
+    "StorageWeakRef", "module_tensor_dicts",
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
     "fx_tracing_flag_cleared", "current_trace_graph", "has_internal_overlap", "has_kernel_for", "inductor_compiler",
     "make_fx", "op_schema",

@@ -71,7 +71,7 @@ def closed_over_objects(fn: Callable[..., Any]) -> tuple[Any, ...]:
     module of `df.pure`) and the instance `self` it is bound to or closes over: objects whose Python
     attributes a trace of `fn` reads besides those of the modules it calls."""
     found: dict[int, Any] = {}
-    for name, value in _closure_variables(fn):
+    for name, value in closure_variables(fn):
         if isinstance(value, torch.nn.Module) or (name == "self" and hasattr(value, "__dict__")
                                                   and not isinstance(value, type)):
             found.setdefault(id(value), value)
@@ -82,7 +82,7 @@ def _names_of(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> list[str]:
     """Readable names for closed-over tensors: where the function's closure or globals hold them
     (`params['fc.weight']`, `model.norm.weight`, `scale`), else `closed_over{k}`. Names are unique."""
     wanted = {id(t): None for t in tensors}
-    for name, value in _closure_variables(fn):
+    for name, value in closure_variables(fn):
         for path, tensor in _tensors_in(name, value, depth=2):
             if id(tensor) in wanted and wanted[id(tensor)] is None:
                 wanted[id(tensor)] = path
@@ -96,7 +96,7 @@ def _names_of(fn: Callable[..., Any], tensors: list[torch.Tensor]) -> list[str]:
     return names
 
 
-def _closure_variables(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
+def closure_variables(fn: Callable[..., Any]) -> Iterator[tuple[str, Any]]:
     """(name, value) of the variables a function reads from outside: closure cells, then the globals
     its code names; for wrappers (functools.wraps, transforms, df.pure), the wrapped function's too."""
     seen: set[int] = set()

@@ -26,6 +26,7 @@ from torch import fx
 
 from ..errors import TraceError
 from ..ir.formatting import op_name
+from .closure import closure_variables
 
 
 def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: fx.Graph, inputs: Sequence[Any],
@@ -77,7 +78,7 @@ def _take_out(holder: Any, tensor: torch.Tensor) -> None:
     """Put a list or dict back as it was before the trace added `tensor` (other holders stay as they are)."""
     if type(holder) is list:
         holder[:] = [item for item in holder if item is not tensor]
-    elif type(holder) is dict and _key_of(holder, tensor) is not None:
+    elif type(holder) is dict:
         for key in [key for key, value in holder.items() if value is tensor]:
             del holder[key]
 
@@ -101,17 +102,18 @@ def _holds(holder: Any, tensor: torch.Tensor) -> bool:
 
 
 def _describe(holder: Any, tensor: torch.Tensor, fn: Callable[..., Any]) -> str:
-    """`holder` in words: by the name `fn` (or a function it refers to, such as a hook) gives it, an
-    attribute by its owner's type, else by its type."""
+    """`holder` in words: by the name `fn` gives it (`closure.closure_variables`: its closure cells and
+    the globals it names), an attribute by its owner's type, else by its type."""
     if type(holder) is dict:                # an object's __dict__, where Python keeps one apart
         owner = next((o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder), None)
         if owner is not None:
             holder = owner
-    name = _name_in(holder, fn)
+    name = next((name for name, value in closure_variables(fn) if value is holder and name), None)
     attributes = getattr(holder, "__dict__", None)
-    if isinstance(attributes, dict) and _key_of(attributes, tensor) is not None:
+    attribute = _key_of(attributes, tensor) if isinstance(attributes, dict) else None
+    if attribute is not None:
         owner = f"a {type(holder).__name__}" + (f" `{name}`" if name else "")
-        return f"attribute {_key_of(attributes, tensor)!r} of {owner}"
+        return f"attribute {attribute!r} of {owner}"
     kind = {list: "a list", dict: "a dict", set: "a set", tuple: "a tuple",
             types.CellType: "a variable of an enclosing function"}.get(type(holder), f"a {type(holder).__name__}")
     return f"{kind} `{name}`" if name else kind
@@ -121,32 +123,6 @@ def _key_of(mapping: dict, value: Any) -> Any | None:
     for key, item in mapping.items():
         if item is value:
             return key
-    return None
-
-
-def _name_in(holder: Any, fn: Callable[..., Any]) -> str | None:
-    """The name `fn` (or a function among its globals and closure, such as a hook) gives `holder`."""
-    seen: set[int] = set()
-    functions = [fn]
-    while functions:
-        function = functions.pop()
-        if id(function) in seen:
-            continue
-        seen.add(id(function))
-        code = getattr(function, "__code__", None)
-        if code is None:
-            function = getattr(function, "__func__", None) or getattr(function, "forward", None)
-            if function is not None:
-                functions.append(function)
-            continue
-        cells = zip(code.co_freevars, function.__closure__ or ())
-        named = [(n, c.cell_contents) for n, c in cells if _filled(c)]
-        named += [(n, function.__globals__[n]) for n in code.co_names if n in function.__globals__]
-        for name, value in named:
-            if value is holder:
-                return name
-            if isinstance(value, types.FunctionType):
-                functions.append(value)
     return None
 
 

@@ -1,6 +1,7 @@
-"""Trace-time refusals of what a Plan cannot replay: seeding the global generator, changing an
-argument's layout in place, rebinding a tensor attribute, keeping a computed tensor in Python state. Each is compared with eager PyTorch where
-the function is fine, and the caller's state is checked to be left as it was where it is refused."""
+"""Trace-time refusals of what a Plan cannot replay: seeding the global generator or drawing from a
+generator of its own, changing an argument's layout in place, rebinding a tensor attribute, keeping a
+tensor of the trace in Python state. Each is compared with eager PyTorch where the function is fine,
+and the caller's state is checked to be left as it was where it is refused."""
 
 import pytest
 import torch
