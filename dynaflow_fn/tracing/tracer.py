@@ -54,7 +54,7 @@ from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .layout_writes import refuse_layout_writes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
-from .reseeding import refuse_own_generators, refusing_reseeds
+from .reseeding import refusing_own_generators, refusing_reseeds
 
 _TRACING = threading.RLock()
 """make_fx and FX keep process-wide state while they trace (the patcher, the fx-tracing flag), so
@@ -124,8 +124,8 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     static_leaves = {i: leaves[i] for i in kinds.static_positions}
 
     observed: dict[str, Any] = {}
-    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed)
     name = getattr(fn, "__name__", "fn")
+    flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed, name)
     called = lambda: observed["recorder"].called_modules() if "recorder" in observed else ()   # noqa: E731
     with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), _translate_errors(name), \
             refusing_reseeds(name):
@@ -162,11 +162,10 @@ def _refuse_what_no_plan_replays(traced: fx.GraphModule, produced: list, observe
                                  fakes: Sequence[torch.Tensor], tensor_paths: Sequence[str], fn: Callable[..., Any],
                                  name: str) -> None:
     """The checks that need the finished trace: tensors the function kept outside itself (op results
-    and the arguments it saw), layouts of arguments changed in place, generators of its own."""
+    and the arguments it saw), layouts of arguments changed in place."""
     arguments = [(ref, f"its argument {path}") for ref, path in zip(observed["inputs"], tensor_paths)]
     refuse_escaped_tensors([*produced, *arguments], traced.graph, fakes, observed["out"][1], fn, name)
     refuse_layout_writes(traced.graph, name, tensor_paths)
-    refuse_own_generators(traced, name)
 
 
 def _functional(traced: fx.GraphModule, fn: Callable[..., Any], observed: dict[str, Any],
@@ -185,10 +184,12 @@ def _functional(traced: fx.GraphModule, fn: Callable[..., Any], observed: dict[s
 
 
 def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.PyTreeSpec,
-               tensor_positions: Sequence[int], observed: dict[str, Any]) -> Callable[..., list[torch.Tensor]]:
+               tensor_positions: Sequence[int], observed: dict[str, Any],
+               name: str) -> Callable[..., list[torch.Tensor]]:
     """`body` as a function of the tensor leaves alone, the form make_fx traces. The static leaves
     are put back in their places; what only the run can tell (the scope recorder, the training flags
-    read, the output pytree, the fake inputs the function saw) is left in `observed`."""
+    read, the output pytree, the fake inputs the function saw) is left in `observed`. `name` (the
+    function's) is for the errors of what it runs inside the trace."""
 
     def flat_body(*tensors: torch.Tensor) -> list[torch.Tensor]:
         observed["inputs"] = [weakref.ref(tensor) for tensor in tensors]     # the fakes the function sees
@@ -199,7 +200,7 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
         recorder = ScopeRecorder(current_trace_graph())
         observed["recorder"] = recorder
         with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared(), \
-                recording_grad_modes(recorder.graph) as observed["grad_recorded"]:
+                recording_grad_modes(recorder.graph) as observed["grad_recorded"], refusing_own_generators(name):
             result = body(*call_args, **call_kwargs)
         observed["mode_reads"] = dict(mode_reads)
         out_paths, out_leaves, out_tree = tree.flatten(result)
