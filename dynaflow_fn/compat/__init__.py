@@ -45,6 +45,7 @@ from .tracing import (
     make_fx,
     outside_current_trace,
     quiet_meta_failures,
+    refusing_generator_arguments,
 )
 
 __all__ = [
@@ -56,7 +57,7 @@ __all__ = [
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_mode_active", "matmul_settings", "without_backward",
     "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
-    "quiet_meta_failures", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
+    "quiet_meta_failures", "refusing_generator_arguments", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
     "observe_module_changes", "ops_are_transformed", "in_backward",
 ]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -133,6 +133,27 @@ def outside_current_trace() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
+
+
+def refusing_generator_arguments(refusal: Callable[[Any], Exception]) -> contextlib.AbstractContextManager:
+    """A context to enter inside a make_fx trace in which an aten op handed a torch.Generator raises
+    `refusal(op)` before make_fx records it (torch 2.11's tracer cannot record a Generator and fails
+    with "argument of type Generator"; later ones record it as a constant). A dispatch mode entered
+    inside the trace sits above make_fx's and sees each op first. Without Python dispatch modes,
+    nothing is intercepted."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        return contextlib.nullcontext()
+
+    class RefusingGenerators(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if any(isinstance(value, torch.Generator) for value in (*args, *kwargs.values())):
+                raise refusal(func)
+            return func(*args, **kwargs)
+
+    return RefusingGenerators()
 
 
 @contextlib.contextmanager

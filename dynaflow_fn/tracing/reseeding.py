@@ -9,9 +9,8 @@ while the function was traced was set by the function: the trace is refused and 
 back as it was.
 
 A generator of the function's own (`torch.rand(..., generator=g)` with `g` closed over) would reach
-the graph as a constant whose state no plan replays, so it is refused too, by a dispatch mode above
-make_fx's: it sees the aten op before the proxy mode records it, which some torch versions cannot do
-for a generator argument at all (they fail with "argument of type Generator").
+the graph as a constant whose state no plan replays, so it is refused too, at the op, before make_fx
+records it (`compat.refusing_generator_arguments`).
 
 The state is compared only while no other Python thread runs (tqdm's monitor aside), since another
 thread may draw random numbers meanwhile; the seed, which only seeding changes, is compared always.
@@ -21,11 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import compat
 from ..errors import TraceError
 from ..ir.tree import OWN_GENERATOR_ADVICE
 
@@ -66,21 +65,8 @@ def refusing_reseeds(fn_name: str) -> Iterator[None]:
         f"would draw different numbers than eager PyTorch. Seed before calling the jitted function instead.")
 
 
-class _RefusingOwnGenerators(TorchDispatchMode):
-    """Raises a TraceError at the first aten op that is handed a torch.Generator."""
-
-    def __init__(self, fn_name: str) -> None:
-        super().__init__()
-        self.fn_name = fn_name
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if any(isinstance(value, torch.Generator) for value in (*args, *kwargs.values())):
-            raise TraceError(f"{self.fn_name} draws random numbers from a torch.Generator of its own ({func} with "
-                             f"generator=...). {OWN_GENERATOR_ADVICE}")
-        return func(*args, **kwargs)
-
-
 def refusing_own_generators(fn_name: str) -> contextlib.AbstractContextManager:
     """Enter inside make_fx's trace: refuse an op that draws from a generator other than the global one."""
-    return _RefusingOwnGenerators(fn_name)
+    return compat.refusing_generator_arguments(lambda op: TraceError(
+        f"{fn_name} draws random numbers from a torch.Generator of its own ({op} with generator=...). "
+        f"{OWN_GENERATOR_ADVICE}"))

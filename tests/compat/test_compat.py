@@ -264,6 +264,26 @@ def test_outside_current_trace_steps_out_of_make_fx():
     assert [n.target for n in graph.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mul.Tensor]
 
 
+class GeneratorRefused(Exception):
+    pass
+
+
+def test_refusing_generator_arguments_stops_the_op_before_make_fx_records_it_and_its_fallback_does_nothing(
+        monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    refused = []
+
+    def body(x):
+        with compat.refusing_generator_arguments(lambda op: GeneratorRefused(refused.append(op))):
+            return x + torch.rand(x.shape) * torch.rand(x.shape, generator=generator)
+
+    with pytest.raises(GeneratorRefused):
+        make_fx(body, tracing_mode="fake")(torch.randn(3))
+    assert refused == [torch.ops.aten.rand.generator]          # the global generator's draw passed
+    monkeypatch.setitem(sys.modules, "torch.utils._python_dispatch", None)
+    assert isinstance(compat.refusing_generator_arguments(GeneratorRefused), contextlib.nullcontext)
+
+
 def test_importing_inductor_raises_no_warning_about_torchs_own_torchscript_classes(monkeypatch):
     import sys
     import warnings
