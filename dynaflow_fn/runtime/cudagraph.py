@@ -6,6 +6,9 @@ arguments and the tensors the function closes over; the graph reads (and, for do
 the caller's own tensor at its own address, so they are never copied. The others are *copied in*:
 copied into their static buffers before each replay. If a resident tensor later arrives at a
 different address, the executable reports it (`fits` tells beforehand) and `jit` captures again.
+The graph reads resident inputs by address and keeps no reference to them: a caller that drops its
+tensor frees its memory, and the next tensor put there (state made anew each call, as the KV cache
+of every transformers generate() call is) fits the graph again.
 
 A call is: copy the copied-in inputs, replay, then clone the outputs (or hand out the static
 outputs themselves when the caller asked for them; the next call overwrites those). Calls take turns
@@ -74,6 +77,8 @@ class CudaGraphExecutable:
             input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
             self.output_input = [input_position.get(slot) for slot in plan.output_slots]
             self._capture(device, inputs)
+            for i in self.resident:           # read by address: the caller's tensors stay the caller's to free
+                self.static_inputs[i] = self.env[plan.input_slots[i]] = None
         self.graph_memory_bytes = torch.cuda.memory_allocated(device) - before
         """Device memory this executable holds: its buffers and what its capture allocated."""
 
@@ -153,13 +158,13 @@ class CudaGraphExecutable:
                     for i in self.write_back:
                         inputs[i].copy_(self.static_inputs[i])
             outputs = self.bound.outputs(self.env)
-            if self.static_outputs:
-                return outputs
             cloned: dict[int, torch.Tensor] = {}
             results = []
             for tensor, input_index, slot in zip(outputs, self.output_input, self.plan.output_slots):
                 if input_index is not None:
                     results.append(inputs[input_index])
+                elif self.static_outputs:
+                    results.append(tensor)
                 else:
                     if slot not in cloned:
                         cloned[slot] = tensor.clone()

@@ -1,6 +1,7 @@
 """CUDA-graph capture and replay. Skipped where there is no CUDA device."""
 
 import gc
+import weakref
 import warnings
 
 import pytest
@@ -79,6 +80,17 @@ def test_parameters_are_read_in_place_and_not_copied():
         params["layers.2.bias"].add_(1.0)
     torch.testing.assert_close(fast(params, x), fn(params, x))
     assert fast.cache_info().captures == 1
+
+
+def test_a_resident_input_is_not_kept_alive_by_the_graph_that_reads_it():
+    fast = df.jit(lambda cache, x: cache * 2 + x, persistent_argnums=(0,), progress=False)
+    x = torch.randn(4, 8, device="cuda")
+    cache = torch.randn(4, 8, device="cuda")
+    torch.testing.assert_close(fast(cache, x), cache * 2 + x)
+    freed = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert freed() is None
 
 
 def test_new_parameter_tensors_capture_again():
