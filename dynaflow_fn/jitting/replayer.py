@@ -1,12 +1,6 @@
 """Running a bound Plan: its executable (one CUDA graph, or the interpreter), built on first use and
 captured again when a resident input moved, and the `Guard` that lets later calls skip the lookup.
 
-The graph captured before the current one is kept, and a call whose resident inputs are back at its
-addresses replays it instead of capturing again. State replaced in turns lands there: transformers'
-generate() makes a new static KV cache on each call while the caller still holds the last call's
-(in its output), so the caching allocator hands out two sets of addresses by turns, and each
-generate() would otherwise capture its decoding graph anew.
-
 A replayer runs in one of two ways. `call` serves a call that the full cache lookup matched: it runs
 the plan and then remembers a guard for calls like it. `replay` serves a call that this guard
 admitted, the per-call fast path: nothing but the run. `benchmark` is `call`'s run on copies of the
@@ -47,8 +41,8 @@ class Replayer:
         self.on_capture = on_capture
         self.cold_start = cold_start                   # timed until the first executable is built
         self.memory = memory                           # shared with the plans of the other buckets, or None
+        self.graph_memory_bytes = 0                    # device memory the capture allocated (CUDA graphs)
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
-        self.previous: CudaGraphExecutable | None = None       # the graph captured before, kept (see above)
         self.guard: Guard | None = None
         self.changing: list[int] | None = None        # inputs the guard does not know by identity (see replay)
         self.runs = 0                                  # calls completed, to tell a move per call from one now and then
@@ -63,11 +57,6 @@ class Replayer:
     @property
     def plan(self) -> Any:
         return self.binding.plan
-
-    @property
-    def graph_memory_bytes(self) -> int:
-        """Device memory the CUDA graphs kept hold (0 for the interpreter)."""
-        return sum(getattr(executable, "graph_memory_bytes", 0) for executable in (self.executable, self.previous))
 
     def tensors_of(self, leaves: Sequence[Any]) -> list[torch.Tensor]:
         """The plan's tensor inputs for a call with these leaves: the argument tensors, then the closed-over ones."""
@@ -134,28 +123,23 @@ class Replayer:
     # --- building ---------------------------------------------------------------------------------
 
     def _build(self, tensors: Sequence[torch.Tensor], replacing: Any, resident: Sequence[bool] | None) -> Any:
-        """The executable, built for these tensors unless another thread built it meanwhile or the
-        previous graph fits them; `replacing` is the executable found unfit for them (a resident input
-        moved), or None."""
+        """The executable, built for these tensors unless another thread built it meanwhile; `replacing`
+        is the executable found unfit for them (a resident input moved), or None."""
         with self._building:
             if self.executable is not replacing:
                 return self.executable
             plan = self.plan
             if replacing is None and distributed.collective_signature(plan):
                 distributed.check_consistent(plan)
-            if isinstance(replacing, CudaGraphExecutable):
-                if self.previous is not None and self.previous.fits(tensors):
-                    self.executable, self.previous = self.previous, replacing
-                    return self.executable
-                if resident is None:
-                    self._note_moved(tensors, replacing)
-                self.previous = None               # freed before the next capture allocates
+            if isinstance(replacing, CudaGraphExecutable) and resident is None:
+                self._note_moved(tensors, replacing)
             if self.runtime == CUDAGRAPH:
                 with self._cold_start_phase("capture"):
+                    before = torch.cuda.memory_allocated(plan.device)
                     self.executable = CudaGraphExecutable(
                         plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
                         self.static_outputs, self.memory)
-                self.previous = replacing
+                    self.graph_memory_bytes = torch.cuda.memory_allocated(plan.device) - before
                 self.on_capture()
             else:
                 self.executable = EagerExecutable(plan, plan.device, self.memory)

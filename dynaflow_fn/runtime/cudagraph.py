@@ -5,10 +5,9 @@ static buffer per input. Some inputs are *resident*: `nn.Parameter`s, donated an
 arguments and the tensors the function closes over; the graph reads (and, for donated ones, writes)
 the caller's own tensor at its own address, so they are never copied. The others are *copied in*:
 copied into their static buffers before each replay. If a resident tensor later arrives at a
-different address, the executable reports it (`fits` tells beforehand) and `jit` captures again.
-The graph reads resident inputs by address and keeps no reference to them: a caller that drops its
-tensor frees its memory, and the next tensor put there (state made anew each call, as the KV cache
-of every transformers generate() call is) fits the graph again.
+different address, the executable reports it and `jit` captures again. The graph reads resident
+inputs by address and keeps no reference to them: memory the caller lets go of (the KV cache of an
+earlier transformers generate() call) is freed at once, not when the graph is next captured.
 
 A call is: copy the copied-in inputs, replay, then clone the outputs (or hand out the static
 outputs themselves when the caller asked for them; the next call overwrites those). Calls take turns
@@ -61,7 +60,6 @@ class CudaGraphExecutable:
         self.static_outputs = static_outputs
         self.memory = memory
         self.turns = memory.turns if memory is not None else Turns(device)
-        before = torch.cuda.memory_allocated(device)
         with self.turns:                       # shared buffers are written from here on: by the warm-up run
             self.bound = BoundPlan(plan, device, memory.buffer("arena", plan.arena_nbytes) if memory else None)
             self.static_inputs = [tensor if is_resident else self._static_input(i, tensor, device)
@@ -79,8 +77,6 @@ class CudaGraphExecutable:
             self._capture(device, inputs)
             for i in self.resident:           # read by address: the caller's tensors stay the caller's to free
                 self.static_inputs[i] = self.env[plan.input_slots[i]] = None
-        self.graph_memory_bytes = torch.cuda.memory_allocated(device) - before
-        """Device memory this executable holds: its buffers and what its capture allocated."""
 
     def _static_input(self, index: int, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         if self.memory is not None:
@@ -143,12 +139,8 @@ class CudaGraphExecutable:
             if source is not self.static_inputs[i]:
                 self.static_inputs[i].copy_(source.detach() if source.requires_grad else source)
 
-    def fits(self, inputs: Sequence[torch.Tensor]) -> bool:
-        """Whether every resident input is at the address the graph reads it at."""
-        return compat.data_ptrs_equal(inputs, self.addresses, self.resident)
-
     def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[Any]:
-        if not self.fits(inputs):
+        if not compat.data_ptrs_equal(inputs, self.addresses, self.resident):
             raise ResidentInputMoved()
         with self.turns:
             self._load_inputs(inputs)
