@@ -36,6 +36,8 @@ and its decode batch padded by hand to the same buckets. Reported: tokens/s of a
 requests (the first run plans and compiles), the first run's seconds, and requests whose tokens
 differ from generate()'s.
 
+Writes bench/results/serving.json (serving-<cases>.json for a subset).
+
     python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
 """
 
@@ -334,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     if serve_rows:
         print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
                                  "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
-    path = write_results("serving", generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
+    name = "serving" if args.cases == list(CASES) else f"serving-{'-'.join(args.cases)}"
+    path = write_results(name, generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
                          new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR, walk_steps=WALK_STEPS,
                          walk_largest=WALK_LARGEST)
     print(f"wrote {path}")
