@@ -156,14 +156,21 @@ def compiled(fn: Callable[..., Any], args: tuple, mode: str | None = "reduce-ove
 
 
 def jitted(fn: Callable[..., Any], args: tuple, persistent: Sequence[int] = (), **options: Any) -> Callable[[], Any]:
-    """df.jit(fn, **options) on `args`, built by its first call, as a call; with no options, the df peer.
+    """df.jit(fn, **options) on `args`, built by its first call, as a call under no_grad (as the peers and
+    eager run: inference, where parameters that require grad would otherwise have the call mark its
+    outputs as ones without a backward); with no options, the df peer.
 
     `persistent`: arguments declared persistent (persistent_argnums), as bench.substitute asks; tensors
     marked by `mark_static`, and the parameters and buffers of df.pure's state, are read in place without.
     """
     fast = df.jit(fn, persistent_argnums=tuple(persistent), **options)
-    fast(*args)
-    return lambda: fast(*args)
+
+    def call() -> Any:
+        with torch.no_grad():
+            return fast(*args)
+
+    call()
+    return call
 
 
 def output_of(call: Callable[[], Any], static_output: Any) -> Any:
