@@ -39,6 +39,7 @@ differ from generate()'s.
 Writes bench/results/serving.json (serving-<cases>.json for a subset).
 
     python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
+                            [--walk-variants df-buckets df-exact compile-ro] [--walk-largest 256]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import random
 import statistics
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -184,15 +185,20 @@ def serve_example() -> Any:
     return serve_llama
 
 
-def walk_variants(serve: Any, model: torch.nn.Module, cache: Any) -> dict[str, Callable[..., Any]]:
+WALK_VARIANTS = ("df-buckets", "df-exact", "compile-ro")
+
+
+def walk_variant(name: str, serve: Any, model: torch.nn.Module, cache: Any) -> Callable[..., Any]:
     def step(keys, values, decode, chunk):
         return serve.model_step(model, keys, values, decode, chunk)
 
-    padded = {"tokens": 0, "positions": 0, "slots": cache.dummy}
-    return {"df-buckets": df.jit(step, buckets="serving", in_axes=(None, None, 0, None), out_axes=(0, None),
-                                 pad_value=(None, None, padded, None), progress=False),
-            "df-exact": df.jit(step, progress=False),
-            "compile-ro": torch.compile(step, mode="reduce-overhead", dynamic=False)}
+    if name == "df-buckets":
+        padded = {"tokens": 0, "positions": 0, "slots": cache.dummy}
+        return df.jit(step, buckets="serving", in_axes=(None, None, 0, None), out_axes=(0, None),
+                      pad_value=(None, None, padded, None), progress=False)
+    if name == "df-exact":
+        return df.jit(step, progress=False)
+    return torch.compile(step, mode="reduce-overhead", dynamic=False)
 
 
 def held_memory_mb() -> tuple[float, float]:
@@ -203,30 +209,34 @@ def held_memory_mb() -> tuple[float, float]:
     return torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
 
 
-def run_walk() -> list[dict[str, Any]]:
+def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGEST) -> list[dict[str, Any]]:
+    """The decode walk over batch sizes 1..largest for the given variants. The exact-size variants
+    build a plan (a graph) per size, each compiled by Inductor: over 256 sizes that is minutes per
+    variant, so each can be run on its own (`--walk-variants`), or over a smaller range."""
     serve = serve_example()
-    case = (f"decode walk: {WALK_MODEL['num_hidden_layers']} Llama-like layers bf16, batch 1..{WALK_LARGEST} "
+    case = (f"decode walk: {WALK_MODEL['num_hidden_layers']} Llama-like layers bf16, batch 1..{largest} "
             f"over {WALK_STEPS} steps, {WALK_POSITION} cached tokens")
-    torch._dynamo.config.recompile_limit = 4 * WALK_LARGEST      # compile-ro compiles a graph per size
+    torch._dynamo.config.recompile_limit = 4 * largest      # compile-ro compiles a graph per size
     max_len = WALK_POSITION + 8
     model = serve.build_model(WALK_MODEL, max_len, "cuda", torch.bfloat16)
-    cache = serve.KVCache(model.config, WALK_LARGEST, max_len, "cuda", torch.bfloat16)
+    cache = serve.KVCache(model.config, largest, max_len, "cuda", torch.bfloat16)
     mark_static(cache.keys, cache.values)
     chunk = serve.chunk_inputs(None, 1, cache.dummy, "cuda")     # a one-token dummy chunk: decode only
     generator = torch.Generator("cuda").manual_seed(0)
     inputs = {rows: {"tokens": torch.randint(1, WALK_MODEL["vocab_size"], (rows,), device="cuda", generator=generator),
                      "positions": torch.full((rows,), WALK_POSITION, device="cuda"),
-                     "slots": torch.arange(rows, device="cuda")} for rows in range(1, WALK_LARGEST + 1)}
-    walk = batch_walk(WALK_STEPS, WALK_LARGEST)
+                     "slots": torch.arange(rows, device="cuda")} for rows in range(1, largest + 1)}
+    walk = batch_walk(WALK_STEPS, largest)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*has been traced for")   # df-exact: a plan per size, as asked
         expected = {rows: serve.model_step(model, cache.keys, cache.values, inputs[rows], chunk)[0]
                     for rows in set(walk)}
         rows_out = []
-        for variant, step in walk_variants(serve, model, cache).items():
+        for variant in variants:
+            step = walk_variant(variant, serve, model, cache)
             before = held_memory_mb()
             start = time.perf_counter()
-            for rows in range(1, WALK_LARGEST + 1):
+            for rows in range(1, largest + 1):
                 step(cache.keys, cache.values, inputs[rows], chunk)
             torch.cuda.synchronize()
             first_pass = time.perf_counter() - start
@@ -319,12 +329,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--walk-variants", nargs="*", choices=WALK_VARIANTS, default=list(WALK_VARIANTS),
+                        help="decode-walk's variants (each exact-size one compiles a graph per size: minutes)")
+    parser.add_argument("--walk-largest", type=int, default=WALK_LARGEST, help="decode-walk's largest batch")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"bench.serving needs a CUDA device; skipped {', '.join(args.cases)}")
         return
     generate_rows = [row for name in args.cases if name in CONFIGS for row in run_case(name, args.repeats)]
-    walk_rows = run_walk() if DECODE_WALK in args.cases else []
+    walk_rows = run_walk(args.walk_variants, args.walk_largest) if DECODE_WALK in args.cases else []
     serve_rows = run_serve() if SERVE_LLAMA in args.cases else []
     if generate_rows:
         print_table(generate_rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "first_generate_s",
@@ -336,10 +349,13 @@ def main(argv: list[str] | None = None) -> None:
     if serve_rows:
         print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
                                  "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
-    name = "serving" if args.cases == list(CASES) else f"serving-{'-'.join(args.cases)}"
+    walk_subset = [] if args.walk_variants == list(WALK_VARIANTS) else args.walk_variants
+    walk_subset += [] if args.walk_largest == WALK_LARGEST else [f"upto{args.walk_largest}"]
+    whole = args.cases == list(CASES) and not walk_subset
+    name = "serving" if whole else f"serving-{'-'.join(args.cases + walk_subset)}"
     path = write_results(name, generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
                          new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR, walk_steps=WALK_STEPS,
-                         walk_largest=WALK_LARGEST)
+                         walk_largest=args.walk_largest)
     print(f"wrote {path}")
     wrong = [f"{row['case']} {row['variant']}: {row['first_logits_rel_err']:.3g}"
              for row in generate_rows if not row["logits_ok"]]
