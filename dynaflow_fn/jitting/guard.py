@@ -2,8 +2,9 @@
 
 A plan is built from one call's arguments and from Python state that tracing and capture read:
 
-* the arguments' pytree structure, each tensor's shape, strides, dtype and device, and each static
-  leaf's value (`call.CallSignature`; the cache key, as in `jax.jit`);
+* the arguments' pytree structure (with the key order of its dicts), each tensor's shape, strides,
+  dtype and device, and each static leaf's value (`call.CallSignature`; the cache key, as in
+  `jax.jit`);
 * process-wide settings that change what is traced or which kernels a CUDA graph captures (autocast,
   the default dtype and device, deterministic algorithms, TF32 and reduced-precision matmuls:
   `call_state`);
@@ -40,11 +41,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import optree
 import torch
 
 from .. import compat
 from ..errors import GradientError, InputError
-from ..ir.tree import leaf_key, picker
+from ..ir.tree import DictOrders, leaf_key, picker
 from . import object_watch
 
 _TRAINING = operator.attrgetter("training")
@@ -111,10 +113,10 @@ def _equal_by_key(leaf: Any) -> bool:
 class Guard:
     """Whether a call fits the call that made this guard, cheaply, and with the meaning of a full lookup.
 
-    A call fits when its pytree structure and call state are the same, every static leaf has the same
-    `static_key`, every module whose flag the trace read is in the same mode, and every tensor, the
-    arguments' and those the function closes over, has the same layout: shape, strides, dtype and
-    device. A tensor read in place may be another tensor object with the same layout; the executable
+    A call fits when its pytree structure (with the key order of its dicts) and call state are the
+    same, every static leaf has the same `static_key`, every module whose flag the trace read is in
+    the same mode, and every tensor, the arguments' and those the function closes over, has the same
+    layout: shape, strides, dtype and device. A tensor read in place may be another tensor object with the same layout; the executable
     checks its address and captures again if it moved. A changed layout is seen however it was made
     (`resize_`, `t_()`, `t.data = v` with `v` anywhere). One C++ call checks all of it where torch has
     its guard manager (`native_check`); Python compares the same fields otherwise. The `watch` (an
@@ -125,6 +127,8 @@ class Guard:
     def __init__(self, treedef: Any, leaves: Sequence[Any], state: tuple, modules: Sequence[torch.nn.Module] = (),
                  closed_over: Sequence[torch.Tensor] = (), watch: Any = None):
         self.treedef = treedef
+        orders = DictOrders.of(optree.tree_unflatten(treedef, leaves))     # the structure keeps this call's order
+        self.orders = orders if orders.orders else None
         self.state = state
         self.watch = watch if watch is not None and watch.watches_anything else None
         self.modules_only = self.watch is not None and not self.watch.instances   # then the counter says it all
@@ -137,9 +141,11 @@ class Guard:
         else:
             self.fit = native.check
 
-    def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> bool:
-        watch = self.watch
+    def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple, call: tuple | None = None) -> bool:
+        """Whether a call flattened to (treedef, leaves) fits; `call` is its (args, kwargs), if at hand."""
+        watch, orders = self.watch, self.orders
         return (treedef == self.treedef and state == self.state and self.fit((leaves, self.fixed))
+                and (orders is None or orders.match(optree.tree_unflatten(treedef, leaves) if call is None else call))
                 and (watch is None or (watch.tick == object_watch.changes.tick and self.modules_only)
                      or watch.unchanged()))
 

@@ -117,7 +117,7 @@ class Jitted:
         one the cache holds or a new one. Returns the outputs and the replayer to ask first next time
         (None when the call cannot be cached). `call` is the (args, kwargs) the leaves came from."""
         state = call_state()
-        if last is not None and last.guard is not None and last.guard.admits(treedef, leaves, state):
+        if last is not None and last.guard is not None and last.guard.admits(treedef, leaves, state, call):
             try:
                 outputs = last.replay(leaves)
                 self.hits += 1

@@ -1,6 +1,7 @@
 """The per-call check of df.jit refuses every change a full cache lookup would see, in its C++ form
 (torch's guard manager) and in its Python form, and admits what the plan computes the same for."""
 
+import collections
 import dataclasses
 import math
 
@@ -11,6 +12,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn.jitting import guard as guard_module
+from dynaflow_fn.ir.tree import DictOrders
 from dynaflow_fn.jitting.guard import Guard, call_state
 
 
@@ -183,3 +185,46 @@ def test_a_parameter_given_another_layout_of_its_own_memory_is_seen_by_the_cuda_
         model.weight.data = model.weight.data.t()                 # read in place: same address, new strides
         torch.testing.assert_close(fast(params, x), model(x))
     assert fast.cache_info().misses == 2
+
+
+# --- the key order of dict arguments --------------------------------------------------------------------
+
+
+def _in_order(params, x):
+    """Depends on the order of `params`: each entry scales what came before."""
+    for weight in params.values():
+        x = x * 2 + weight
+    return x
+
+
+def _reordered(params):
+    return dict(reversed(list(params.items())))
+
+
+@pytest.mark.parametrize("buckets", [None, (4,)])
+def test_a_dict_argument_in_another_key_order_gets_a_plan_of_its_own(check_path, buckets):
+    options = {} if buckets is None else dict(buckets=buckets, in_axes=(None, 0))
+    fast = df.jit(_in_order, progress=False, **options)
+    params = {"a": torch.randn(3), "b": torch.randn(3), "c": torch.randn(3)}
+    x = torch.randn(2, 3)
+    for call in (params, _reordered(params), params, _reordered(params)):
+        torch.testing.assert_close(fast(call, x), _in_order(call, x))
+    assert fast.cache_info().misses == 2
+
+
+def test_the_order_of_a_dict_below_another_kind_of_pytree_node_is_checked_too():
+    Weights = collections.namedtuple("Weights", "named")
+    fast = df.jit(lambda weights, x: _in_order(weights.named, x), progress=False)
+    named = {"a": torch.randn(3), "b": torch.randn(3)}
+    x = torch.randn(3)
+    for call in (named, _reordered(named), named):
+        torch.testing.assert_close(fast(Weights(call), x), _in_order(call, x))
+    assert fast.cache_info().misses == 2
+
+
+def test_dict_orders_record_dicts_of_two_keys_or_more_and_leave_ordered_dicts_to_their_structure():
+    tree = (({"b": 1, "a": 2}, {"only": 3}, collections.OrderedDict(b=1, a=2)), {})
+    orders = DictOrders.of(tree)
+    assert orders.orders == (((0, 0), ("b", "a")),) and not orders.opaque
+    assert orders.match((({"b": 5, "a": 6}, {"only": 7}, collections.OrderedDict(a=2, b=1)), {}))
+    assert not orders.match((({"a": 2, "b": 1}, {"only": 3}, collections.OrderedDict(b=1, a=2)), {}))
