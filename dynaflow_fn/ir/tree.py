@@ -7,7 +7,6 @@ part of the jit cache key, like `static_argnums` in JAX. Anything else is an err
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import functools
@@ -51,70 +50,6 @@ class Flat:
     @functools.cached_property
     def paths(self) -> list[tuple]:
         return self.treedef.paths()
-
-
-@dataclass(frozen=True)
-class DictOrders:
-    """The key order of every dict in a call's arguments that has two keys or more.
-
-    optree sorts a dict's keys, so two dicts that differ only in insertion order flatten to equal
-    structures. A function that iterates a dict argument (`for w in params.values()`) sees that order,
-    and a plan traced with one order must not serve a call with another: the order is part of a
-    call's signature. `orders` holds (path, keys) per dict, the path a sequence of subscripts from the
-    `(args, kwargs)` pair, so that a later call is checked by looking up a few dicts; a dict below a
-    container that is no tuple, list or dict (a registered pytree node) makes the check walk the
-    whole tree instead (`opaque`). An OrderedDict needs none of this: its structure keeps its order.
-    """
-
-    orders: tuple[tuple[tuple, tuple], ...]
-    opaque: bool
-
-    @classmethod
-    def of(cls, tree: Any) -> "DictOrders":
-        orders: list[tuple[tuple, tuple]] = []
-        opaque = _collect_orders(tree, (), orders, False)
-        return cls(tuple(orders), opaque)
-
-    def match(self, tree: Any) -> bool:
-        """Whether `tree`, of the same structure as the tree this was made of, has its dicts in the same order."""
-        if self.opaque:
-            return DictOrders.of(tree) == self
-        for path, keys in self.orders:
-            node = tree
-            for step in path:
-                node = node[step]
-            if tuple(node) != keys:
-                return False
-        return True
-
-
-_ORDER_FREE_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
-
-
-def _collect_orders(node: Any, path: tuple, orders: list, below_other: bool) -> bool:
-    """Append the (path, keys) of every dict under `node` to `orders`; whether one lies below a
-    container that is no tuple, list or dict."""
-    kind = type(node)
-    if kind in _ORDER_FREE_LEAVES:
-        return False
-    if kind is dict or kind is collections.defaultdict:
-        if len(node) > 1:
-            orders.append((path, tuple(node)))
-        opaque = below_other and len(node) > 1
-        for key, value in node.items():
-            opaque |= _collect_orders(value, (*path, key), orders, below_other)
-        return opaque
-    if kind is tuple or kind is list:
-        opaque = False
-        for index, value in enumerate(node):
-            opaque |= _collect_orders(value, (*path, index), orders, below_other)
-        return opaque
-    if optree.tree_is_leaf(node):
-        return False
-    opaque = False
-    for child in optree.tree_flatten_one_level(node)[0]:
-        opaque |= _collect_orders(child, path, orders, True)
-    return opaque
 
 
 def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:

@@ -1,7 +1,7 @@
 """A call's signature: what df.jit's cache is keyed on, and the warning when it keeps changing.
 
 A plan is built for one `CallSignature`: the arguments' pytree structure, the key order of their
-dicts (`ir.tree.DictOrders`: the structure sorts keys), each leaf's key (a tensor's shape, strides,
+dicts (`guard.DictNodes`: the structure sorts keys), each leaf's key (a tensor's shape, strides,
 dtype and device; a static leaf's value, `ir.tree.static_key`) and the process-wide settings tracing
 and capture read (`guard.call_state`). Two calls with equal signatures run the same
 plan, as `jax.jit` caches by the abstract values of its arguments.
@@ -16,6 +16,7 @@ from ..errors import warn
 from ..ir import tree
 from ..ir.program import dtype_name
 from ..ir.tree import Flat, StaticKey
+from .guard import DictNodes
 
 RETRACE_WARNING_ENTRIES = 8
 """Plans a jitted function holds before each further trace warns."""
@@ -23,18 +24,18 @@ RETRACE_WARNING_ENTRIES = 8
 
 @dataclass(frozen=True)
 class CallSignature:
-    """The cache key of a call: structure, dict key orders, one key per leaf, and the process-wide settings."""
+    """The cache key of a call: structure, its dicts' key orders, one key per leaf, and the process-wide settings."""
 
     treedef: Any
     leaves: tuple
     state: tuple
-    dict_orders: tuple = ()
+    dicts: tuple = ()
 
     @classmethod
     def of(cls, flat: Flat, state: tuple) -> "CallSignature | None":
         """The signature of a call, or None if a leaf cannot be keyed (unhashable: tracing names it)."""
         signature = cls(flat.treedef, tuple(map(tree.leaf_key, flat.leaves)), state,
-                        tree.DictOrders.of((flat.args, flat.kwargs)).orders)
+                        DictNodes.of((flat.args, flat.kwargs)).nodes)
         try:
             hash(signature)
         except TypeError:
@@ -45,7 +46,7 @@ class CallSignature:
         """What differs from `previous`, naming the argument by its path."""
         if previous.treedef != self.treedef:
             return f"the argument structure changed from {previous.treedef} to {self.treedef}"
-        if previous.dict_orders != self.dict_orders:
+        if previous.dicts != self.dicts:
             return "the key order of a dict argument changed"
         if previous.state != self.state:
             return ("process-wide settings changed (autocast, the default dtype or device, deterministic algorithms "

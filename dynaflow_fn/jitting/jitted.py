@@ -102,14 +102,34 @@ class Jitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _ops_are_transformed():                 # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
             return self.fn(*args, **kwargs)
+        call, last = (args, kwargs), self._last
         if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):
             leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:
-            leaves, treedef = optree.tree_flatten((args, kwargs))
+            if last is not None and last.guard is not None and self.bucketing is None:
+                leaves = last.guard.flatten(call)           # by the last call's structure: a tenth of a flatten
+                if leaves is not None:
+                    outputs, replayed = self._replay(leaves, last.guard.treedef, last, call)
+                    if replayed:
+                        return outputs
+                last = None                                 # asked already
+            leaves, treedef = optree.tree_flatten(call)
         if self.bucketing is not None:
             return self.bucketing.call(leaves, treedef)
-        outputs, self._last = self._run(leaves, treedef, self._last, (args, kwargs))
+        outputs, self._last = self._run(leaves, treedef, last, call)
         return outputs
+
+    def _replay(self, leaves: list[Any], treedef: Any, last: Replayer, call: tuple[tuple, dict] | None,
+                state: tuple | None = None) -> tuple[Any, bool]:
+        """Replay `last`'s plan if its guard admits the call: (outputs, True), else (None, False)."""
+        if last.guard.admits(treedef, leaves, call_state() if state is None else state, call):
+            try:
+                outputs = last.replay(leaves)
+                self.hits += 1
+                return outputs, True
+            except ResidentInputMoved:
+                pass
+        return None, False
 
     def _run(self, leaves: list[Any], treedef: Any, last: Replayer | None,
             call: tuple[tuple, dict] | None = None) -> tuple[Any, Replayer | None]:
@@ -117,13 +137,10 @@ class Jitted:
         one the cache holds or a new one. Returns the outputs and the replayer to ask first next time
         (None when the call cannot be cached). `call` is the (args, kwargs) the leaves came from."""
         state = call_state()
-        if last is not None and last.guard is not None and last.guard.admits(treedef, leaves, state, call):
-            try:
-                outputs = last.replay(leaves)
-                self.hits += 1
+        if last is not None and last.guard is not None:
+            outputs, replayed = self._replay(leaves, treedef, last, call, state)
+            if replayed:
                 return outputs, last
-            except ResidentInputMoved:
-                pass
         replayer, cached = self._entry(leaves, treedef, state, call)
         return replayer.call(treedef, leaves, state), replayer if cached else None
 

@@ -12,8 +12,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn.jitting import guard as guard_module
-from dynaflow_fn.ir.tree import DictOrders
-from dynaflow_fn.jitting.guard import Guard, call_state
+from dynaflow_fn.jitting.guard import DictNodes, Guard, call_state
 
 
 @pytest.fixture(params=["native", "python"])
@@ -222,9 +221,36 @@ def test_the_order_of_a_dict_below_another_kind_of_pytree_node_is_checked_too():
     assert fast.cache_info().misses == 2
 
 
-def test_dict_orders_record_dicts_of_two_keys_or_more_and_leave_ordered_dicts_to_their_structure():
-    tree = (({"b": 1, "a": 2}, {"only": 3}, collections.OrderedDict(b=1, a=2)), {})
-    orders = DictOrders.of(tree)
-    assert orders.orders == (((0, 0), ("b", "a")),) and not orders.opaque
-    assert orders.match((({"b": 5, "a": 6}, {"only": 7}, collections.OrderedDict(a=2, b=1)), {}))
-    assert not orders.match((({"a": 2, "b": 1}, {"only": 3}, collections.OrderedDict(b=1, a=2)), {}))
+def test_dict_nodes_record_each_dicts_type_and_key_order():
+    tree = (({"b": 1, "a": 2}, collections.OrderedDict(b=1, a=2)), {})
+    dicts = DictNodes.of(tree)
+    assert dicts.nodes == (((0, 0), dict, ("b", "a")), ((0, 1), collections.OrderedDict, ("b", "a")), ((1,), dict, ()))
+    assert dicts.match((({"b": 5, "a": 6}, collections.OrderedDict(b=7, a=8)), {}))
+    assert not dicts.match((({"a": 2, "b": 1}, collections.OrderedDict(b=1, a=2)), {}))
+    assert not dicts.match(((collections.OrderedDict(b=1, a=2), collections.OrderedDict(b=1, a=2)), {}))
+
+
+def test_a_call_flattened_by_the_last_structure_still_refuses_another_kind_of_dict(check_path):
+    """`flatten_up_to`, the per-call flatten, takes an OrderedDict where a dict was traced."""
+    seen = []
+
+    def kind_of(params, x):
+        seen.append(type(params))
+        return x + params["a"]
+
+    fast = df.jit(kind_of, progress=False)
+    x = torch.randn(3)
+    params = {"a": torch.randn(3), "b": torch.randn(3)}
+    for call in (params, collections.OrderedDict(params), params):
+        torch.testing.assert_close(fast(call, x), kind_of(call, x))
+    assert fast.cache_info().misses == 2 and seen.count(collections.OrderedDict) == 2   # traced once, called once
+
+
+def test_a_call_with_a_container_where_a_tensor_was_is_flattened_anew(check_path):
+    fast = df.jit(lambda params, x: x + sum(optree.tree_leaves(params)), progress=False)
+    x = torch.randn(3)
+    flat = {"a": torch.randn(3), "b": torch.randn(3)}
+    nested = {"a": (torch.randn(3), torch.randn(3)), "b": torch.randn(3)}
+    for call in (flat, nested, flat):
+        torch.testing.assert_close(fast(call, x), x + sum(optree.tree_leaves(call)))
+    assert fast.cache_info().misses == 2
