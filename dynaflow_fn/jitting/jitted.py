@@ -9,8 +9,9 @@ whose flag the trace read, and the tensors the function closes over (resident, l
 A call that would compute something other than `fn` is refused with a named error instead: arguments
 that share memory with one the plan writes, or backward through a plan's outputs.
 
-The path of a call: `Jitted.__call__` flattens the arguments once; the last plan's `Guard` admits
-the call (`guard`), or the cache finds or builds a `Replayer` by the signature; a miss runs the
+The path of a call: `Jitted.__call__` flattens the arguments by the structure of the last call
+(`Guard.flatten`, a tenth of a new flatten) and the last plan's `Guard` admits the call (`guard`);
+else it flattens them anew and the cache finds or builds a `Replayer` by the signature; a miss runs the
 `Pipeline` (trace -> passes -> lower -> verify) and binds the Plan to the call (`Binding`);
 `strategy="auto"` chooses among candidate functions (`autotune`). With `buckets`, `bucketing` pads the
 call to its bucket first and gives each bucket the last plan it ran and one memory pool for all.
