@@ -24,12 +24,13 @@ RETRACE_WARNING_ENTRIES = 8
 
 @dataclass(frozen=True)
 class CallSignature:
-    """The cache key of a call: structure, its dicts' key orders, one key per leaf, and the process-wide settings."""
+    """The cache key of a call: structure, one key per leaf, the process-wide settings, and the type and
+    key order of each dict (`DictNodes.nodes`)."""
 
     treedef: Any
     leaves: tuple
     state: tuple
-    dicts: tuple = ()
+    dicts: tuple
 
     @classmethod
     def of(cls, flat: Flat, state: tuple) -> "CallSignature | None":

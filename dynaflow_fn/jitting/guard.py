@@ -114,13 +114,14 @@ def _equal_by_key(leaf: Any) -> bool:
 class Guard:
     """Whether a call fits the call that made this guard, cheaply, and with the meaning of a full lookup.
 
-    A call fits when its pytree structure (with the key order of its dicts) and call state are the
-    same, every static leaf has the same `static_key`, every module whose flag the trace read is in
-    the same mode, and every tensor, the arguments' and those the function closes over, has the same
-    layout: shape, strides, dtype and device. A tensor read in place may be another tensor object with the same layout; the executable
-    checks its address and captures again if it moved. A changed layout is seen however it was made
-    (`resize_`, `t_()`, `t.data = v` with `v` anywhere). One C++ call checks all of it where torch has
-    its guard manager (`native_check`); Python compares the same fields otherwise. The `watch` (an
+    A call fits when its pytree structure (with the type and key order of its dicts) and call state
+    are the same, every static leaf has the same `static_key`, every module whose flag the trace read
+    is in the same mode, and every tensor, the arguments' and those the function closes over, has the
+    same layout: shape, strides, dtype and device. A tensor read in place may be another tensor
+    object with the same layout; the executable checks its address and captures again if it moved.
+    A changed layout is seen however it was made (`resize_`, `t_()`, `t.data = v` with `v` anywhere).
+    One C++ call checks all of it where torch has its guard manager (`native_check`); Python compares
+    the same fields otherwise. The `watch` (an
     `object_watch.ObjectWatch`) says whether the modules' Python state is still as traced: while the
     process-wide counter of module changes has not moved, comparing it here says it all.
     """
