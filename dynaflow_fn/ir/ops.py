@@ -27,6 +27,9 @@ from ..compat import OpOverload, has_kernel_for, op_schema
 
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
+RESHAPES = frozenset({"aten.view", "aten._reshape_alias", "aten.transpose", "aten.t", "aten.permute", "aten.expand",
+                      "aten.unsqueeze", "aten.squeeze", "aten.unflatten", "aten.alias"})
+"""The views that only give their input another shape and strides (`OpInfo.is_reshape`)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,12 @@ class OpInfo:
         if not self.returns:
             return False
         return self.is_collective_wait or all(r.aliased and not r.written for r in self.returns)
+
+    @property
+    def is_reshape(self) -> bool:
+        """A view that gives its input another shape and strides (view, transpose, expand, ...): it starts
+        where its input starts, and its arguments are sizes and dimensions, never an offset into it."""
+        return self.packet in RESHAPES
 
     @functools.cached_property
     def out_variant(self) -> OutVariant | None:
@@ -224,6 +233,12 @@ def is_view(target: object) -> bool:
     """Whether a node's target is a view op (`OpInfo.is_view`)."""
     info = op_info(target)
     return info is not None and info.is_view
+
+
+def is_reshape(target: object) -> bool:
+    """Whether a node's target is a view that only reshapes (`OpInfo.is_reshape`)."""
+    info = op_info(target)
+    return info is not None and info.is_reshape
 
 
 def written_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:

@@ -118,6 +118,8 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
     micro-batches' runs share one compiled graph, and it keeps every result of a run in memory the run
     itself allocates. A run that returned a view of one of its inputs would be a step that writes
     memory another step made, and which other streams may be reading.
+
+    Reshapes of outside values that only one run reads then join that run (`_with_private_reshapes`).
     """
     setup = setup_nodes(program)
     runs: list[list[fx.Node]] = []
@@ -143,7 +145,34 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
             open_key = key
         runs[-1].append(node)
         run_of[node] = len(runs) - 1
-    return [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
+    runs = [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
+    return _with_private_reshapes(runs, program)
+
+
+def _with_private_reshapes(runs: list[list[fx.Node]], program: Program) -> list[list[fx.Node]]:
+    """Each run with the chains of reshapes (`ops.is_reshape`) that lead into it from outside values and
+    that nothing else reads, in issue order.
+
+    Inductor recognizes patterns by the ops around them: attention written as matmul, softmax and
+    matmul becomes one fused attention kernel only when the transpose of the keys and the reshapes
+    that `torch.matmul` inserts are in the graph it compiles. A reshape has no offset, so a
+    micro-batch's copy of the chain is the same graph as another's (slices, which have one, stay
+    outside), and no reshape becomes a result of the run, since only the run reads it.
+    """
+    in_a_run = {node for run in runs for node in run}
+    position = {node: index for index, node in enumerate(program.issue_order())}
+    extended = []
+    for run in runs:
+        members = set(run)
+        frontier = [value for node in run for value in node.all_input_nodes]
+        while frontier:
+            node = frontier.pop()
+            if (node not in members and node not in in_a_run and node.op == "call_function"
+                    and ops.is_reshape(node.target) and all(user in members for user in node.users)):
+                members.add(node)
+                frontier.extend(node.all_input_nodes)
+        extended.append(sorted(members, key=position.__getitem__))
+    return extended
 
 
 def _compilable(node: fx.Node, setup: set[fx.Node]) -> bool:

@@ -103,6 +103,25 @@ def test_a_run_inductor_rejects_falls_back_to_aten_with_a_warning(monkeypatch):
     assert "tanh" in _aten_ops(plan) and _compiled_steps(plan)
 
 
+def test_a_run_compiles_the_reshapes_of_inputs_only_it_reads():
+    """Attention over a cache passed in, written as matmul, softmax and matmul: the transpose of the keys
+    and the reshapes torch.matmul adds are views of the inputs. The run that reads them compiles them
+    too, so Inductor sees the whole pattern (torch.compile's view of it: it fuses it into one attention
+    kernel), and the plan keeps no view steps of its own for them."""
+
+    def attention(q, k_cache, v_cache):
+        scores = torch.matmul(q, k_cache.transpose(-1, -2)) * 0.125
+        return torch.matmul(torch.softmax(scores, -1), v_cache)
+
+    fast = df.jit(attention, backend="inductor", progress=False)
+    q, k, v = torch.randn(4, 2, 3, 16), torch.randn(4, 2, 40, 16), torch.randn(4, 2, 40, 16)
+    torch.testing.assert_close(fast(q, k, v), attention(q, k, v), rtol=1e-4, atol=1e-5)
+    plan = fast.lower(q, k, v)
+    [run] = _compiled_steps(plan)
+    assert torch.ops.aten.transpose.int in {node.target for node in run.op.graph_module.graph.nodes}
+    assert plan.steps == (run,)
+
+
 @pytest.mark.parametrize("strategy", ["sequential", "roundrobin"])
 def test_a_compiled_run_never_returns_memory_it_reads(strategy):
     """A stage that starts by viewing a value an earlier stage made (a rotary table, read by every
