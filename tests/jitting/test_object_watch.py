@@ -87,3 +87,38 @@ def test_scalars_are_compared_by_value_dicts_by_their_items_and_the_rest_by_iden
         assert not watch.unchanged()
         setattr(model, *undo)
         assert watch.unchanged()
+
+
+class _SlicesItsLayers(nn.Module):
+    """transformers' decoders run `for layer in self.layers[:n]`: slicing a ModuleList builds a new one."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_torch_compile_traces_none_of_the_watch_and_sees_attribute_changes(monkeypatch):
+    """Dynamo runs nn.Module's wrapped mutators symbolically when a forward builds a module. The observer
+    must not run in that trace: its table changes under weak-reference callbacks at any moment (the trace
+    then failed with 'dictionary changed size during iteration'). A change the compiled call makes to a
+    module that outlives it breaks the graph there and is seen."""
+    from dynaflow_fn.compat import modules
+
+    seen = []
+    observer = modules._module_observer[0]
+    monkeypatch.setattr(modules, "_module_observer", [lambda owner, attribute: seen.append(
+        (torch.compiler.is_dynamo_compiling(), attribute)) or observer(owner, attribute)])
+    model = _SlicesItsLayers()
+    object_watch._watch(model)                     # as a df.jit plan traced from it would
+    compiled = torch.compile(model, backend="eager")
+    before = object_watch.changes.tick
+    compiled(torch.randn(2, 8))
+    assert seen and not any(compiling for compiling, _ in seen), [entry for entry in seen if entry[0]]
+    assert (False, "calls") in seen and model.calls == 1 and object_watch.changes.tick != before
