@@ -341,6 +341,10 @@ def test_a_first_call_crosses_at_most_nine_files_of_jitting():
 
 
 @pytest.mark.cuda
-def test_a_later_call_on_the_cudagraph_runtime_crosses_six_files():
-    crossed = _later_call_files("cuda", "cudagraph", grad=True)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_later_call_on_the_cudagraph_runtime_crosses_six_files(grad):
+    """The four before the runtime, the runtime and its turn-taking lock. compat/calls.py is one of them
+    even under no_grad: it composes torch's readers of the matmul settings and of whether ops are being
+    transformed; its other readers on this path are torch's C functions themselves."""
+    crossed = _later_call_files("cuda", "cudagraph", grad)
     assert "runtime/cudagraph.py" in crossed and crossed <= LATER_CALL_FILES | RUNTIME_FILES["cudagraph"], crossed

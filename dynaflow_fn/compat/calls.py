@@ -19,22 +19,28 @@ from ..errors import BackwardError
 # --- process-wide state a plan depends on -----------------------------------------------------------
 
 
-def any_autocast_enabled() -> bool:
-    """Whether autocast is on for any device type."""
-    query = getattr(torch._C, "_is_any_autocast_enabled", None)
-    if query is not None:
-        return query()
+def _torch_c(name: str, fallback: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's C function `torch._C.<name>` where this torch has it, else `fallback`: resolved once, at
+    import, so that a call runs no Python of this module."""
+    found = getattr(torch._C, name, None)
+    return found if found is not None else fallback
+
+
+def _any_autocast_enabled_in_python() -> bool:
     return any(torch.is_autocast_enabled(device) for device in ("cuda", "cpu", "xpu", "mps", "hpu"))
 
 
-def torch_function_mode_active() -> bool:
-    """Whether a torch-function mode is active (`torch.set_default_device` installs one)."""
-    query = getattr(torch._C, "_len_torch_function_stack", None)
-    if query is not None:
-        return query() > 0
+def _torch_function_modes_in_python() -> int:
     from torch.overrides import _get_current_function_mode_stack
 
-    return bool(_get_current_function_mode_stack())
+    return len(_get_current_function_mode_stack())
+
+
+any_autocast_enabled: Callable[[], bool] = _torch_c("_is_any_autocast_enabled", _any_autocast_enabled_in_python)
+"""Whether autocast is on for any device type."""
+
+torch_function_modes: Callable[[], int] = _torch_c("_len_torch_function_stack", _torch_function_modes_in_python)
+"""How many torch-function modes are active (`torch.set_default_device` installs one)."""
 
 
 def _public_matmul_settings() -> tuple:
@@ -109,24 +115,26 @@ ops_are_transformed = _resolve_ops_are_transformed()
 # --- CUDA graphs and streams ------------------------------------------------------------------------
 
 
-def data_ptrs_equal(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None], indices: Sequence[int]) -> bool:
-    """Whether `tensors[i].data_ptr() == data_ptrs[i]` for every i in `indices` (`data_ptrs` has an
-    entry per tensor): in C++ on CUDA builds (what torch.compile's CUDA graphs check their static
-    inputs with), else in Python."""
-    query = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if query is not None:
-        return query(tensors, data_ptrs, indices)
+def _data_ptrs_equal_in_python(tensors: Sequence[torch.Tensor], data_ptrs: Sequence[int | None],
+                               indices: Sequence[int]) -> bool:
     return all(tensors[i].data_ptr() == data_ptrs[i] for i in indices)
 
 
-def current_stream_id(device_index: int) -> Any:
-    """A cheap, comparable identity of the current CUDA stream (torch.cuda.current_stream builds a
-    Stream object per call, which costs a few microseconds)."""
-    query = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if query is not None:
-        return query(device_index)
+def _current_stream_id_in_python(device_index: int) -> Any:
     stream = torch.cuda.current_stream(device_index)
     return stream.stream_id, stream.device_index, stream.device_type
+
+
+data_ptrs_equal: Callable[[Sequence[torch.Tensor], Sequence[int | None], Sequence[int]], bool] = _torch_c(
+    "_tensors_data_ptrs_at_indices_equal", _data_ptrs_equal_in_python)
+"""`data_ptrs_equal(tensors, data_ptrs, indices)`: whether `tensors[i].data_ptr() == data_ptrs[i]` for every i
+in `indices` (`data_ptrs` has an entry per tensor). In C++ on CUDA builds, what torch.compile's CUDA graphs
+check their static inputs with."""
+
+current_stream_id: Callable[[int], Any] = _torch_c("_cuda_getCurrentStream", _current_stream_id_in_python)
+"""`current_stream_id(device_index)`: a cheap, comparable identity of the current CUDA stream, the triple
+(stream id, device index, device type); torch.cuda.current_stream builds a Stream object per call, which
+costs a few microseconds."""
 
 
 def stream_from_id(stream_id: Any) -> "torch.cuda.Stream":

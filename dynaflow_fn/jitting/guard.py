@@ -55,7 +55,7 @@ _TRAINING = operator.attrgetter("training")
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 _default_dtype, _deterministic = torch.get_default_dtype, torch.are_deterministic_algorithms_enabled
-_any_autocast, _function_modes, _matmul = compat.any_autocast_enabled, compat.torch_function_mode_active, \
+_any_autocast, _function_modes, _matmul = compat.any_autocast_enabled, compat.torch_function_modes, \
     compat.matmul_settings
 
 

@@ -115,12 +115,12 @@ def test_process_group_lookup_by_name_with_and_without_the_resolver(monkeypatch)
 
 
 def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
-    fast = (compat.any_autocast_enabled(), compat.torch_function_mode_active())
+    fast = (compat.any_autocast_enabled(), compat.torch_function_modes())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compat.any_autocast_enabled()
     torch.set_default_device("cpu")
     try:
-        assert compat.torch_function_mode_active()
+        assert compat.torch_function_modes() == 1
     finally:
         torch.set_default_device(None)
     before, before_public = compat.matmul_settings(), compat_calls._public_matmul_settings()
@@ -130,9 +130,15 @@ def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
     finally:
         torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
     assert compat.matmul_settings() == before
+    assert compat.any_autocast_enabled is torch._C._is_any_autocast_enabled   # torch's C function itself
     monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
     monkeypatch.delattr(torch._C, "_len_torch_function_stack")
-    assert (compat.any_autocast_enabled(), compat.torch_function_mode_active()) == fast
+    fallbacks = (compat_calls._torch_c("_is_any_autocast_enabled", compat_calls._any_autocast_enabled_in_python),
+                 compat_calls._torch_c("_len_torch_function_stack", compat_calls._torch_function_modes_in_python))
+    assert fallbacks == (compat_calls._any_autocast_enabled_in_python, compat_calls._torch_function_modes_in_python)
+    assert tuple(read() for read in fallbacks) == fast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fallbacks[0]()
     monkeypatch.delattr(torch._C, "_get_cudnn_benchmark")
     assert compat_calls._resolve_matmul_settings() is compat_calls._public_matmul_settings
 
@@ -150,11 +156,11 @@ def test_without_backward_and_its_fallback_raise_the_message(monkeypatch):
         assert isinstance(caught.value, BackwardError) == fallback       # torch's own error, or ours (a RuntimeError)
 
 
-def test_data_ptrs_equal_in_python(monkeypatch):
-    monkeypatch.delattr(torch._C, "_tensors_data_ptrs_at_indices_equal", raising=False)
+def test_data_ptrs_equal_and_its_python_fallback_agree():
     a, b = torch.randn(2), torch.randn(2)
-    assert compat.data_ptrs_equal([a, b], [None, b.data_ptr()], [1])
-    assert not compat.data_ptrs_equal([a, b], [None, a.data_ptr()], [1])
+    for equal in (compat.data_ptrs_equal, compat_calls._data_ptrs_equal_in_python):
+        assert equal([a, b], [None, b.data_ptr()], [1])
+        assert not equal([a, b], [None, a.data_ptr()], [1])
 
 
 @contextlib.contextmanager
