@@ -10,6 +10,9 @@ generate cases (`llama`, `qwen2`). Each case generates greedily from a batch of 
   df             model.forward = torch.compile(model.forward, backend=df.compile_backend(), dynamic=False),
                  generate(..., disable_compile=True): every Dynamo graph through df.jit, default settings
   df-auto        the same with df.compile_backend(strategy="auto")
+  ... (one cache)  hf-compile-ro and df passed one transformers StaticCache, reset before each generate(), as
+                 `past_key_values=` (the README's advice for df: generate() otherwise builds a new cache per
+                 call, and the decode graph, which reads the cache at its own address, captures again)
 
 Reported per variant: tokens/s (new tokens of the whole batch over the median generate() time of
 `--repeats` calls after the first), the first generate() in seconds (compilation and capture included)
@@ -39,6 +42,7 @@ differ from generate()'s.
 Writes bench/results/serving.json (serving-<cases>.json for a subset).
 
     python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
+                            [--generate-variants df "df (one cache)" ...]
                             [--walk-variants df-buckets df-exact compile-ro] [--walk-largest 256]
 """
 
@@ -88,25 +92,40 @@ def build_model(name: str) -> torch.nn.Module:
     return model
 
 
-def generate(model: torch.nn.Module, ids: torch.Tensor, disable_compile: bool) -> Any:
+def one_static_cache(model: torch.nn.Module, batch: int) -> Any:
+    """One transformers StaticCache for every generate() call, reset before each: what the README tells df
+    users to pass so that no graph sees its KV cache move (generate() builds a new cache per call)."""
+    from transformers import StaticCache
+
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=PROMPT + NEW_TOKENS)
+    cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, dtype=torch.bfloat16,
+                               head_dim=config.hidden_size // config.num_attention_heads, device="cuda")
+    return cache
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, disable_compile: bool, cache: Any = None) -> Any:
+    if cache is not None:
+        cache.reset()
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                               do_sample=False, disable_compile=disable_compile, return_dict_in_generate=True,
-                              output_logits=True)
+                              output_logits=True, **({"past_key_values": cache} if cache is not None else {}))
 
 
-def measure(model: torch.nn.Module, ids: torch.Tensor, disable_compile: bool, repeats: int) -> dict[str, Any]:
+def measure(model: torch.nn.Module, ids: torch.Tensor, disable_compile: bool, repeats: int,
+            cache: Any = None) -> dict[str, Any]:
     """The first generate()'s seconds, then the median of `repeats` more; the last call's output."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = generate(model, ids, disable_compile)
+    out = generate(model, ids, disable_compile, cache)
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     seconds = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = generate(model, ids, disable_compile)
+        out = generate(model, ids, disable_compile, cache)
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)
@@ -129,19 +148,28 @@ def variants() -> dict[str, Callable[[torch.nn.Module], tuple[bool, Any]]]:
             return True, backend
         return prepare
 
-    return {"eager": eager, "hf-compile-ro": hf_compile, "df": with_backend(), "df-auto": with_backend(strategy="auto")}
+    return {"eager": eager, "hf-compile-ro": hf_compile, "df": with_backend(), "df-auto": with_backend(strategy="auto"),
+            f"hf-compile-ro{ONE_CACHE}": hf_compile, f"df{ONE_CACHE}": with_backend()}
 
 
-def run_case(name: str, repeats: int) -> list[dict[str, Any]]:
+ONE_CACHE = " (one cache)"
+"""The suffix of the variants that pass one_static_cache() to every generate() call."""
+
+
+def run_case(name: str, repeats: int, chosen: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Rows of every generate variant, or of those `chosen` (eager, the reference, always runs)."""
     case = f"generate {name} ({CONFIGS[name]['num_hidden_layers']} layers), batch {BATCH}, prompt {PROMPT}, " \
            f"{NEW_TOKENS} new tokens"
     ids = torch.randint(1, CONFIGS[name]["vocab_size"], (BATCH, PROMPT), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
     rows, reference = [], None
     for variant, prepare in variants().items():
+        if chosen and variant not in chosen and variant != "eager":
+            continue
         model = build_model(name)
         disable_compile, backend = prepare(model)
-        result = measure(model, ids, disable_compile, repeats)
+        cache = one_static_cache(model, BATCH) if variant.endswith(ONE_CACHE) else None
+        result = measure(model, ids, disable_compile, repeats, cache)
         out = result.pop("out")
         if reference is None:
             reference = out
@@ -151,11 +179,12 @@ def run_case(name: str, repeats: int) -> list[dict[str, Any]]:
                      "captures": captures, "graphs": len(backend.graphs) if backend is not None else None,
                      "first_logits_rel_err": relative_error(out.logits[0], reference.logits[0]),
                      "tokens_match": float((out.sequences == reference.sequences).float().mean())})
-        del model, backend, out
+        del model, backend, out, cache
         release()
-    peer = next(row["tokens_per_s"] for row in rows if row["variant"] == "hf-compile-ro")
+    measured = {row["variant"]: row["tokens_per_s"] for row in rows}
     for row in rows:
-        row["vs_hf_compile_ro"] = row["tokens_per_s"] / peer
+        peer = measured.get("hf-compile-ro" + (ONE_CACHE if row["variant"].endswith(ONE_CACHE) else ""))
+        row["vs_hf_compile_ro"] = row["tokens_per_s"] / peer if peer else None   # the peer that treats the cache alike
         row["logits_ok"] = row["first_logits_rel_err"] <= MAX_REL_ERR
     return rows
 
@@ -329,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--generate-variants", nargs="*", choices=list(variants()), default=[],
+                        help="only these generate variants (and eager, the reference); all by default")
     parser.add_argument("--walk-variants", nargs="*", choices=WALK_VARIANTS, default=list(WALK_VARIANTS),
                         help="decode-walk's variants (each exact-size one compiles a graph per size: minutes)")
     parser.add_argument("--walk-largest", type=int, default=WALK_LARGEST, help="decode-walk's largest batch")
@@ -336,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print(f"bench.serving needs a CUDA device; skipped {', '.join(args.cases)}")
         return
-    generate_rows = [row for name in args.cases if name in CONFIGS for row in run_case(name, args.repeats)]
+    generate_rows = [row for name in args.cases if name in CONFIGS
+                     for row in run_case(name, args.repeats, args.generate_variants)]
     walk_rows = run_walk(args.walk_variants, args.walk_largest) if DECODE_WALK in args.cases else []
     serve_rows = run_serve() if SERVE_LLAMA in args.cases else []
     if generate_rows:
@@ -349,10 +381,11 @@ def main(argv: list[str] | None = None) -> None:
     if serve_rows:
         print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
                                  "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
-    walk_subset = [] if args.walk_variants == list(WALK_VARIANTS) else args.walk_variants
-    walk_subset += [] if args.walk_largest == WALK_LARGEST else [f"upto{args.walk_largest}"]
-    whole = args.cases == list(CASES) and not walk_subset
-    name = "serving" if whole else f"serving-{'-'.join(args.cases + walk_subset)}"
+    subset = ["some-variants"] if args.generate_variants else []
+    subset += [] if args.walk_variants == list(WALK_VARIANTS) else args.walk_variants
+    subset += [] if args.walk_largest == WALK_LARGEST else [f"upto{args.walk_largest}"]
+    whole = args.cases == list(CASES) and not subset
+    name = "serving" if whole else f"serving-{'-'.join(args.cases + subset)}"
     path = write_results(name, generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
                          new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR, walk_steps=WALK_STEPS,
                          walk_largest=args.walk_largest)
