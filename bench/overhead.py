@@ -17,14 +17,24 @@ and captures; torch.compile: the first call compiles, the next two warm up and r
 how long dynaflow_fn takes to trace and lower a 32-layer Llama-like model with parameters on the meta
 device (CPU work only).
 
+With `--against DIR` it also times the host time of the df rows with another copy of the dynaflow_fn
+package (DIR holds its `dynaflow_fn/` folder, an older checkout say), side by side with this one: each
+tree in fresh processes, taking turns, the same model and calls. Written to overhead-against.json.
+
     python -m bench.overhead            # on a GPU: everything
     python -m bench.overhead --trace    # trace + lower timing only (any machine; written only on a GPU one)
+    python -m bench.overhead --against ../old-checkout
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -141,6 +151,46 @@ def launch_bound_rows() -> list[dict]:
     return with_speedup_vs_compile(rows)
 
 
+HOST_VARIANTS = {DF: {}, "df.jit-closure": {}, "df.aten": {"backend": "cudagraph"}}
+"""The rows --against compares: the options of each, through the public API every version of it has."""
+
+
+def host_rows() -> dict[str, float]:
+    """Host microseconds per call of each df variant in HOST_VARIANTS, in this process's dynaflow_fn."""
+    torch.manual_seed(0)
+    model = LaunchBound().cuda().eval()
+    fn, params = df.pure(model)
+    x = torch.randn(1, WIDTH, device="cuda")
+    calls = {name: jitted(lambda x: fn(params, x), (x,), **options) if name == "df.jit-closure"
+             else jitted(fn, (params, x), **options) for name, options in HOST_VARIANTS.items()}
+    return {name: time_host(call, repeats=10, inner=100)["median_ms"] * 1e3 for name, call in calls.items()}
+
+
+def against_rows(other: pathlib.Path, rounds: int = 3) -> list[dict]:
+    """host_rows() of this tree and of the dynaflow_fn under `other`, each in `rounds` fresh processes,
+    taking turns (so that clocks and the GPU's state drift alike for both); the median per variant."""
+    if not (other / "dynaflow_fn" / "__init__.py").is_file():
+        raise SystemExit(f"--against {other}: no dynaflow_fn/ package there")
+    here = pathlib.Path(__file__).resolve().parents[1]
+    trees = {"this tree": here, other.resolve().name: other.resolve()}
+    samples = {tree: [] for tree in trees}
+    for _ in range(rounds):
+        for tree, root in trees.items():
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(here), os.environ.get("PYTHONPATH", "")])}
+            out = subprocess.run([sys.executable, "-m", "bench.overhead", "--host-rows"], env=env, cwd=here,
+                                 check=True, capture_output=True, text=True).stdout
+            samples[tree].append(json.loads(out.splitlines()[-1]))
+    rows = []
+    for tree, runs in samples.items():
+        for name in HOST_VARIANTS:
+            rows.append({"case": f"{LAYERS} layers x {WIDTH}, batch 1", "tree": tree, "variant": name,
+                         "host_us_per_call": statistics.median(run[name] for run in runs)})
+    this = {r["variant"]: r["host_us_per_call"] for r in rows if r["tree"] == "this tree"}
+    for row in rows:
+        row["ratio_vs_this_tree"] = row["host_us_per_call"] / this[row["variant"]]
+    return rows
+
+
 def no_grad(call):
     """`call` under torch.no_grad, so that eager PyTorch records no autograd graph (the graphs record none)."""
     def run():
@@ -152,8 +202,20 @@ def no_grad(call):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", action="store_true", help="only time trace + lower (no GPU needed)")
+    parser.add_argument("--against", type=pathlib.Path, metavar="DIR",
+                        help="only compare the df rows' host time with the dynaflow_fn package under DIR")
+    parser.add_argument("--host-rows", action="store_true", help=argparse.SUPPRESS)   # one process of --against
     options = parser.parse_args()
     os.environ.setdefault("DYNAFLOW_CACHE_DIR", tempfile.mkdtemp())   # df.auto measures, not recalls
+    if options.host_rows:
+        print(json.dumps(host_rows()))
+        return
+    if options.against:
+        rows = against_rows(options.against)
+        print_table(rows, ["case", "tree", "variant", "host_us_per_call", "ratio_vs_this_tree"],
+                    "host time per call, this tree against another")
+        print(f"\nwrote {write_results('overhead-against', rows)}")
+        return
     trace_row = trace_and_lower_seconds()
     print_table([trace_row], ["case", "variant", "trace_s", "lower_s", "total_s", "ops", "steps"],
                 "trace + lower time")

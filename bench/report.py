@@ -11,11 +11,11 @@ import os
 from bench.common import RESULTS
 from bench.plot import plot
 
-COLUMNS = ("case", "variant", "caches", "median_ms", "p10_ms", "p90_ms", "speedup_vs_compile", "speedup_vs_baseline",
+COLUMNS = ("case", "tree", "variant", "caches", "median_ms", "p10_ms", "p90_ms", "speedup_vs_compile", "speedup_vs_baseline",
            "speedup_vs_best_compile", "speedup_vs_df", "speedup_vs_eager", "back_to_back_ms", "back_to_back_speedup",
            "ratio_vs_hand_graph", "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "first_call_s",
-           "ready_s", "choice", "probe_wait_us", "probe_waited", "gemm_slowdown", "host_us_per_call", "tokens_per_s",
-           "total_s", "rel_err", "error")
+           "ready_s", "choice", "probe_wait_us", "probe_waited", "gemm_slowdown", "host_us_per_call", "ratio_vs_this_tree",
+           "tokens_per_s", "vs_hf_compile_ro", "vs_compile_ro", "captures", "total_s", "rel_err", "error")
 
 
 def _cell(value: object) -> str:
