@@ -98,6 +98,7 @@ def one_static_cache(model: torch.nn.Module, batch: int) -> Any:
     from transformers import StaticCache
 
     config = model.config
+    model.generation_config.cache_implementation = None          # generate() refuses both a cache and its kind
     cache = StaticCache(config=config, max_cache_len=PROMPT + NEW_TOKENS)
     cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, dtype=torch.bfloat16,
                                head_dim=config.hidden_size // config.num_attention_heads, device="cuda")
