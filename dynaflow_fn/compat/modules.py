@@ -42,39 +42,21 @@ def observe_module_changes(on_change: Callable[[Any, Any], None]) -> bool:
 
 
 def _notifying(method: Callable[..., Any], name: str | None) -> Callable[..., Any]:
-    """`method`, then a call of the observer: with the attribute name for setattr and delattr.
-
-    Dynamo runs these wrappers symbolically inside a compiled forward, where the observer must not
-    run: its state changes under weak-reference callbacks at any moment (the trace failed with
-    "dictionary changed size during iteration"), and its counter would enter Dynamo's guards (a
-    recompile per call). A module the forward builds (transformers' `self.layers[:n]` slices a
-    ModuleList) is one the trace owns, so its registrations are not reported. An attribute set on
-    any module breaks the graph there instead (`_observed_outside_the_trace`): the assignment runs as
-    Python, and the observer sees it."""
+    """`method`, then a call of the observer: with the attribute name for setattr and delattr."""
     if name in ("__setattr__", "__delattr__"):
         def attribute_changer(self: Any, attribute: str, *value: Any) -> None:
             try:
                 method(self, attribute, *value)
             finally:
-                (_observed_outside_the_trace if _tracing() else _module_observer[0])(self, attribute)
+                _module_observer[0](self, attribute)
         return functools.wraps(method)(attribute_changer)
 
     def changer(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
         finally:
-            if not _tracing():
-                _module_observer[0](args[0] if name is not None else None, None)
+            _module_observer[0](args[0] if name is not None else None, None)
     return functools.wraps(method)(changer)
-
-
-_tracing = torch.compiler.is_dynamo_compiling
-
-
-@torch.compiler.disable
-def _observed_outside_the_trace(owner: Any, attribute: Any) -> None:
-    """A call Dynamo does not trace: it breaks the graph, so the attribute change runs outside it."""
-    _module_observer[0](owner, attribute)
 
 
 def _notifying_removal(remove: Callable[[Any], None]) -> Callable[[Any], None]:

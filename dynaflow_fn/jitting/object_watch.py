@@ -49,12 +49,34 @@ class _Changes:
 changes = _Changes()
 _ticks = itertools.count(1)
 _watched: dict[int, Any] = {}
-"""id -> a watched module (a weak reference) or one of its dicts: the owners whose changes move the counter."""
+"""id -> a watched module (a weak reference) or one of its dicts: the owners whose changes move the counter.
+Only `_watch` changes it: Dynamo reads it when it traces a mutator (below), so a module that dies only
+queues its ids in `_dead`, which the next `_watch` removes. (Until then a new object given a dead id
+counts as watched: a needless fingerprint, never a missed change.)"""
+_dead: list[int] = []
 
 
 def _note_change(owner: Any, attribute: Any) -> None:
-    if attribute != "training" and (owner is None or id(owner) in _watched):
+    """nn.Module's mutators report here. Dynamo runs them symbolically when it traces a compiled forward
+    that changes a module: the change of a module the trace builds (transformers' `self.layers[:n]`
+    slices a ModuleList) is nobody's business, and that of a watched one must not put the counter into
+    Dynamo's guards (a recompile on every call), so it breaks the graph there (`_changed_outside_the_trace`),
+    and the change runs, and is reported here, as Python."""
+    if attribute == "training" or not (owner is None or id(owner) in _watched):
+        return
+    if _tracing():
+        _changed_outside_the_trace()
+    else:
         changes.tick = next(_ticks)
+
+
+_tracing = torch.compiler.is_dynamo_compiling
+
+
+@torch.compiler.disable
+def _changed_outside_the_trace() -> None:
+    """A call Dynamo does not trace: where a traced forward changes a watched module, the graph breaks."""
+    changes.tick = next(_ticks)
 
 
 _observed = compat.observe_module_changes(_note_change)
@@ -62,12 +84,14 @@ _observed = compat.observe_module_changes(_note_change)
 
 def _watch(module: torch.nn.Module) -> None:
     """Let changes of `module` and of its dicts (hooks a handle removes) move the counter while it lives."""
+    while _dead:
+        _watched.pop(_dead.pop(), None)
     key = id(module)
     dicts = [id(value) for value in vars(module).values() if isinstance(value, dict)]
     for owned in dicts:
         _watched.setdefault(owned, True)
     if key not in _watched:
-        _watched[key] = weakref.ref(module, lambda _: [_watched.pop(owned, None) for owned in (key, *dicts)])
+        _watched[key] = weakref.ref(module, lambda _: _dead.extend((key, *dicts)))
 
 
 for _name in _GLOBAL_HOOKS:
