@@ -10,6 +10,7 @@ still allocate) and `Slot`s (tensor views into a storage). Backends only interpr
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -119,6 +120,12 @@ class Step:
     sm_carveout: int | None = None         # SMs the step's GEMMs leave free for a collective running beside it
 
     def reads(self) -> tuple[int, ...]:
+        return self._reads
+
+    @functools.cached_property
+    def _reads(self) -> tuple[int, ...]:
+        """Computed once: a step never changes, and lowering, the verifier and every binding of the plan
+        (a capture, and each capture again) ask for each step's reads."""
         return step_reads(self.kind, self.args, self.kwargs)
 
     def writes(self) -> tuple[int, ...]:

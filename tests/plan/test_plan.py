@@ -29,6 +29,7 @@ def _assert_consistent(plan):
         assert all(0 <= slot < len(plan.slots) for slot in referenced + list(step.outputs))
         expected_reads = referenced[1:] if step.kind is StepKind.COPY else referenced
         assert set(step.reads()) == set(expected_reads) and len(set(step.reads())) == len(step.reads())
+        assert step.reads() is step.reads()           # computed once: every binding (capture) asks again
         if step.kind in (StepKind.KERNEL, StepKind.ALLOC, StepKind.COPY):
             assert step.writes() == step.outputs and step.outputs
         else:
