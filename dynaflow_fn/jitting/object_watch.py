@@ -54,6 +54,7 @@ Only `_watch` changes it: Dynamo reads it when it traces a mutator (below), so a
 queues its ids in `_dead`, which the next `_watch` removes. (Until then a new object given a dead id
 counts as watched: a needless fingerprint, never a missed change.)"""
 _dead: list[int] = []
+_tracing = torch.compiler.is_dynamo_compiling          # true only while Dynamo traces symbolically
 
 
 def _note_change(owner: Any, attribute: Any) -> None:
@@ -68,9 +69,6 @@ def _note_change(owner: Any, attribute: Any) -> None:
         _changed_outside_the_trace()
     else:
         changes.tick = next(_ticks)
-
-
-_tracing = torch.compiler.is_dynamo_compiling
 
 
 @torch.compiler.disable
