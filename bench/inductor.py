@@ -14,12 +14,15 @@ stack   4 decoder layers over whole prompts (prefill: causal GQA attention), 1x2
           df.auto                             df.jit(fn, strategy="auto", in_axes=(None, 0)): the fastest
                                               candidate, measured (4x2048 only)
 hf      an unmodified transformers LlamaForCausalLM (4 Llama-3-8B-like layers, vocabulary 32000) at 1x2048
-        tokens:
+        and 4x2048 tokens:
           eager                               model(ids, use_cache=False).logits under no_grad
           compile-reduce-overhead             torch.compile of that, the baseline
           df                                  df.jit over fn, params = df.pure(model), default settings
           df.compile_backend                  torch.compile(backend=df.compile_backend()): every Dynamo
                                               graph one df CUDA graph (with df's default Inductor stages)
+          df.rr2, df.tbo2                     df.jit of two micro-batches of prompts, strategy "roundrobin"
+                                              or "tbo" (4x2048 only)
+          df.auto                             df.jit(..., strategy="auto", in_axes=(None, 0)) (4x2048 only)
 
 Prefill attention beside decode attention, with Inductor's kernels, is bench/single_gpu.py's pod group.
 
@@ -82,9 +85,9 @@ def prefill_stack(layers: list, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def round_robin(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn(layers, x) in two micro-batches of prompts, taking turns on two streams."""
-    return T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), strategy="roundrobin")
+def two_microbatches(fn: Callable[..., Any], strategy: str = "roundrobin") -> Callable[..., Any]:
+    """fn(weights, x) in two micro-batches of prompts on two streams, scheduled by `strategy`."""
+    return T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), strategy=strategy)
 
 
 # --- the variants ----------------------------------------------------------------------------------
@@ -127,7 +130,7 @@ def stack_rows() -> list[dict]:
             "df.aten": lambda: jitted(prefill_stack, args, backend="cudagraph"),
         }
         if batch > 1:
-            variants["df.rr2"] = lambda: jitted(round_robin(prefill_stack), args)
+            variants["df.rr2"] = lambda: jitted(two_microbatches(prefill_stack), args)
             variants["df.auto"] = lambda: jitted(prefill_stack, args, strategy="auto", in_axes=(None, 0),
                                                  progress=False)
         rows += measure(f"prefill {LAYERS} layers, {batch}x{tokens} tokens", variants, reference, inner=3)
@@ -147,7 +150,7 @@ def hf_rows() -> list[dict]:
     fn, params = df.pure(model)
     pure_logits = lambda params, ids: fn(params, ids, use_cache=False).logits
     rows = []
-    for batch, tokens in PROMPTS[:1]:
+    for batch, tokens in PROMPTS:
         args = (torch.randint(0, config.vocab_size, (batch, tokens), device=DEVICE),)
         with torch.no_grad():
             reference = logits(*args)
@@ -157,6 +160,11 @@ def hf_rows() -> list[dict]:
             DF: lambda: jitted(pure_logits, (params, *args)),
             "df.compile_backend": lambda: compiled(logits, args, None, backend=df.compile_backend(progress=False)),
         }
+        if batch > 1:
+            variants["df.rr2"] = lambda: jitted(two_microbatches(pure_logits), (params, *args))
+            variants["df.tbo2"] = lambda: jitted(two_microbatches(pure_logits, "tbo"), (params, *args))
+            variants["df.auto"] = lambda: jitted(pure_logits, (params, *args), strategy="auto", in_axes=(None, 0),
+                                                 progress=False)
         rows += measure(f"transformers Llama, {LAYERS} layers, {batch}x{tokens} tokens", variants, reference, inner=3)
         release()
     return rows
