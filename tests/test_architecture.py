@@ -280,9 +280,10 @@ def test_every_raise_is_one_of_the_package_error_classes():
     assert not raises, "raise a class of dynaflow_fn/errors.py instead:\n" + "\n".join(raises)
 
 
-LATER_CALL_FILES = {"jitting/jitted.py", "jitting/guard.py", "jitting/replayer.py", "compat/calls.py"}
+LATER_CALL_FILES = {"jitting/jitted.py", "jitting/guard.py", "jitting/replayer.py"}
 """The package's files a call that the last plan's guard admits runs Python in, before its runtime: the
-path to read when a call is slow. (A static leaf the C++ guard leaves to Python, a zero or NaN float
+path to read when a call is slow. What it reads from torch it reads through torch's C functions, which
+compat/calls.py hands out, so that file runs no Python on the way. (A static leaf the C++ guard leaves to Python, a zero or NaN float
 or a dataclass, adds `ir/tree.py`, where its key is defined.)"""
 
 RUNTIME_FILES = {"eager": {"runtime/eager.py", "runtime/turns.py", "runtime/interpreter.py", "plan/plan.py"},
@@ -328,7 +329,7 @@ def _later_call_files(device, backend, grad):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_a_later_call_crosses_four_files_before_its_runtime(grad):
+def test_a_later_call_crosses_three_files_before_its_runtime(grad):
     crossed = _later_call_files("cpu", "eager", grad)
     assert "jitting/jitted.py" in crossed and crossed - RUNTIME_FILES["eager"] <= LATER_CALL_FILES, crossed
 
@@ -342,9 +343,7 @@ def test_a_first_call_crosses_at_most_nine_files_of_jitting():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_a_later_call_on_the_cudagraph_runtime_crosses_six_files(grad):
-    """The four before the runtime, the runtime and its turn-taking lock. compat/calls.py is one of them
-    even under no_grad: it composes torch's readers of the matmul settings and of whether ops are being
-    transformed; its other readers on this path are torch's C functions themselves."""
+def test_a_later_call_on_the_cudagraph_runtime_crosses_five_files(grad):
+    """The three before the runtime, the runtime and its turn-taking lock."""
     crossed = _later_call_files("cuda", "cudagraph", grad)
     assert "runtime/cudagraph.py" in crossed and crossed <= LATER_CALL_FILES | RUNTIME_FILES["cudagraph"], crossed

@@ -24,11 +24,13 @@ from .calls import (
     any_autocast_enabled,
     current_stream_id,
     data_ptrs_equal,
-    matmul_settings,
-    ops_are_transformed,
+    dispatch_mode_depth,
+    functorch_interpreter,
+    matmul_setting_readers,
+    no_backward_node,
+    recording_mode_active,
     stream_from_id,
     torch_function_modes,
-    without_backward,
 )
 from .modules import module_tensor_dicts, observe_module_changes
 from .operators import OpOverload, StorageWeakRef, has_internal_overlap, has_kernel_for, op_schema
@@ -55,10 +57,10 @@ __all__ = [
     "fx_tracing_flag_cleared", "current_trace_graph", "has_internal_overlap", "has_kernel_for", "inductor_compiler",
     "make_fx", "op_schema",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
-    "any_autocast_enabled", "torch_function_modes", "matmul_settings", "without_backward",
+    "any_autocast_enabled", "torch_function_modes", "matmul_setting_readers", "no_backward_node",
     "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "refusing_generator_arguments", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
-    "observe_module_changes", "ops_are_transformed", "in_backward",
+    "observe_module_changes", "dispatch_mode_depth", "recording_mode_active", "functorch_interpreter", "in_backward",
 ]
 
 

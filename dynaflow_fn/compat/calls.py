@@ -4,7 +4,9 @@ outputs whose backward explains itself.
 
 They sit on the per-call path, a few microseconds of host time in all, so each entry resolves its
 fastest reader once, at import, to one of torch's C functions where torch has it (and to the public
-API otherwise): the call then runs no Python of this module but the entry itself.
+API otherwise). Where a reading takes several C calls (the matmul settings, whether ops are
+transformed, an output without a backward) this module hands out the C functions and the caller
+composes them: a call with torch's C readers at hand runs no Python of this module at all.
 """
 
 from __future__ import annotations
@@ -50,25 +52,20 @@ def _public_matmul_settings() -> tuple:
             torch.get_float32_matmul_precision(), str(torch.backends.cuda.preferred_blas_library()))
 
 
-def _resolve_matmul_settings() -> Any:
-    getters = [getattr(torch._C, name, None) for name in ("_get_cublas_allow_tf32", "_get_cudnn_allow_tf32",
-               "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
-               "_get_cudnn_deterministic", "_get_cudnn_benchmark", "_get_blas_preferred_backend",
-               "_get_float32_matmul_precision")]
-    if None in getters:
-        return _public_matmul_settings
-    tf32, cudnn_tf32, fp16, bf16, deterministic, benchmark, blas, precision = getters
-
-    def matmul_settings() -> tuple:
-        """The settings that choose matmul and convolution kernels (TF32, reduced-precision reductions,
-        cuDNN determinism and autotuning, the preferred BLAS library, float32 matmul precision). A CUDA
-        graph keeps the kernels chosen when it was captured, so a change must capture again. Read on
-        every call: torch._C's getters cost a tenth of the torch.backends properties (about 2 us)."""
-        return tf32(), cudnn_tf32(), fp16(), bf16(), deterministic(), benchmark(), blas(), precision()
-    return matmul_settings
+def _resolve_matmul_setting_readers() -> tuple[Callable[[], Any], ...]:
+    getters = tuple(getattr(torch._C, name, None) for name in (
+        "_get_cublas_allow_tf32", "_get_cudnn_allow_tf32", "_get_cublas_allow_fp16_reduced_precision_reduction",
+        "_get_cublas_allow_bf16_reduced_precision_reduction", "_get_cudnn_deterministic", "_get_cudnn_benchmark",
+        "_get_blas_preferred_backend", "_get_float32_matmul_precision"))
+    return (_public_matmul_settings,) if None in getters else getters
 
 
-matmul_settings = _resolve_matmul_settings()
+matmul_setting_readers: tuple[Callable[[], Any], ...] = _resolve_matmul_setting_readers()
+"""The readers of the settings that choose matmul and convolution kernels (TF32, reduced-precision
+reductions, cuDNN determinism and autotuning, the preferred BLAS library, float32 matmul precision): a CUDA
+graph keeps the kernels chosen when it was captured, so a change must capture again, and a call reads them
+all (`tuple(read() for read in matmul_setting_readers)`). torch._C's getters, a tenth of the cost of the
+torch.backends properties (about 2 us); without them, one reader of all of them through the public API."""
 
 
 # --- whether a jitted function runs its plan or its Python ------------------------------------------
@@ -89,27 +86,29 @@ def _proxy_mode_active() -> bool:
     return get_proxy_mode is not None and get_proxy_mode() is not None
 
 
-def _resolve_ops_are_transformed() -> Callable[[], bool]:
-    modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    recording = _recording_mode_active
-    if modes is None:
-        modes, recording = (lambda: 1), _proxy_mode_active                    # noqa: E731
-    if peek is None:
-        peek = lambda: None                                                    # noqa: E731
-
-    def ops_are_transformed() -> bool:
-        """Whether the ops called now are recorded or transformed rather than only computed: a dispatch
-        mode is active (make_fx's proxy and fake-tensor modes while anything traces, any other
-        TorchDispatchMode but torch's own passive ones) or a torch.func transform runs (vmap, grad, ...).
-        Two C calls of torch's. Fallbacks: without the mode-stack length, only a make_fx trace is seen;
-        without functorch's interpreter stack, no transform is (a transform over a jitted function then
-        fails inside torch)."""
-        return (modes() > 0 and recording()) or peek() is not None
-    return ops_are_transformed
+def _resolve_dispatch_mode_readers() -> tuple[Callable[[], int], Callable[[], bool]]:
+    depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return (depth, _recording_mode_active) if depth is not None else (_one, _proxy_mode_active)
 
 
-ops_are_transformed = _resolve_ops_are_transformed()
+def _one() -> int:
+    return 1
+
+
+def _no_interpreter() -> None:
+    return None
+
+
+dispatch_mode_depth, recording_mode_active = _resolve_dispatch_mode_readers()
+"""`dispatch_mode_depth()`: how many TorchDispatchModes are active, in one C call;
+`recording_mode_active()`: whether one of them records or changes ops (make_fx's proxy and fake-tensor
+modes while anything traces, any other but torch's own passive ones), asked only when the depth is not 0.
+Fallback without the C stack length: a depth of 1, and only a make_fx trace is seen as recording."""
+
+functorch_interpreter: Callable[[], Any] = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack",
+                                                   None) or _no_interpreter
+"""`functorch_interpreter()`: the innermost torch.func transform running now (vmap, grad, ...), or None; a C
+call. Fallback: None (a transform over a jitted function then fails inside torch)."""
 
 
 # --- CUDA graphs and streams ------------------------------------------------------------------------
@@ -146,8 +145,6 @@ def stream_from_id(stream_id: Any) -> "torch.cuda.Stream":
 
 
 class _NoBackward(torch.autograd.Function):
-    """Fallback of `without_backward`: outputs whose backward raises `message`."""
-
     @staticmethod
     def forward(ctx: Any, message: str, *tensors: torch.Tensor) -> Any:
         ctx.message = message
@@ -158,24 +155,20 @@ class _NoBackward(torch.autograd.Function):
         raise BackwardError(ctx.message)
 
 
-def without_backward(tensors: list[torch.Tensor], message: bytes) -> list[torch.Tensor]:
-    """The same tensors (same memory), now requiring grad, whose backward raises `message`.
+class _NoBackwardNode:
+    """Fallback of `no_backward_node`: the same contract through an autograd.Function."""
 
-    What eager PyTorch would hand back from inputs that require grad is a tensor in the autograd
-    graph; a compiled plan has none, so its outputs say so when backward reaches them instead of
-    failing far away with "does not require grad". torch's DelayedError node does this in one C++
-    call; the fallback is an autograd.Function."""
-    if _DelayedError is None:
-        return list(_NoBackward.apply(message.decode(), *(_requiring_grad(t) for t in tensors)))
-    node = _DelayedError(message, len(tensors))
-    results = node(*(_requiring_grad(t) for t in tensors))
-    return list(results) if isinstance(results, tuple) else [results]
+    def __init__(self, message: bytes, count: int):
+        self.message = message.decode()
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _NoBackward.apply(self.message, *tensors)
 
 
-_DelayedError = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
-
-
-def _requiring_grad(tensor: torch.Tensor) -> torch.Tensor:
-    alias = tensor.detach()
-    alias.requires_grad_(True)
-    return alias
+no_backward_node: Callable[[bytes, int], Callable[..., Any]] = getattr(
+    getattr(torch._C, "_functions", None), "DelayedError", None) or _NoBackwardNode
+"""`no_backward_node(message, count)`: an autograd node that takes `count` tensors requiring grad and returns
+them (the same memory) as outputs whose backward raises `message`: a tuple, or the one tensor. What a
+compiled plan hands back where eager PyTorch would return tensors in the autograd graph: they say so when
+backward reaches them, instead of failing far away with "does not require grad". torch's DelayedError node,
+one C++ call; the fallback is an autograd.Function, whose error is a `BackwardError`."""

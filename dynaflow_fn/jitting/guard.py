@@ -55,8 +55,8 @@ _TRAINING = operator.attrgetter("training")
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 _default_dtype, _deterministic = torch.get_default_dtype, torch.are_deterministic_algorithms_enabled
-_any_autocast, _function_modes, _matmul = compat.any_autocast_enabled, compat.torch_function_modes, \
-    compat.matmul_settings
+_any_autocast, _function_modes, _matmul_readers = compat.any_autocast_enabled, compat.torch_function_modes, \
+    compat.matmul_setting_readers
 
 
 def call_state() -> tuple:
@@ -69,7 +69,7 @@ def call_state() -> tuple:
     autocast = () if not _any_autocast() else tuple(
         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES)
     modes = () if not _function_modes() else (str(torch.get_default_device()),)
-    return _default_dtype(), _deterministic(), _matmul(), autocast, modes
+    return _default_dtype(), _deterministic(), tuple([read() for read in _matmul_readers]), autocast, modes
 
 
 PYTHON_GUARD_ENV = "DYNAFLOW_PYTHON_GUARD"

@@ -50,7 +50,16 @@ from .pipeline import ColdStart, Pipeline
 from .replayer import Replayer
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_ops_are_transformed = compat.ops_are_transformed
+_mode_depth, _recording_mode, _interpreter = \
+    compat.dispatch_mode_depth, compat.recording_mode_active, compat.functorch_interpreter
+
+
+def ops_are_transformed() -> bool:
+    """Whether the ops called now are recorded or transformed rather than only computed: a recording
+    dispatch mode is active (any trace, a FlopCounterMode) or a torch.func transform runs (vmap, grad).
+    A jitted function called then inlines its Python, as jax.jit does inside jax.jit. Two C calls
+    where torch has them (`compat.dispatch_mode_depth`, `compat.functorch_interpreter`)."""
+    return (_mode_depth() > 0 and _recording_mode()) or _interpreter() is not None
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ class Jitted:
     # --- public API ------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _ops_are_transformed():                 # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
+        if ops_are_transformed():                  # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
             return self.fn(*args, **kwargs)
         call, last = (args, kwargs), self._last
         if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):

@@ -189,6 +189,14 @@ class Replayer:
         if not chosen:
             return outputs
         outputs = list(outputs)
-        for i, tensor in zip(chosen, compat.without_backward([outputs[i] for i in chosen], self.no_backward)):
+        for i, tensor in zip(chosen, without_backward([outputs[i] for i in chosen], self.no_backward)):
             outputs[i] = tensor
         return outputs
+
+
+def without_backward(tensors: list[torch.Tensor], message: bytes) -> list[torch.Tensor]:
+    """The same tensors (same memory), now requiring grad, whose backward raises `message`
+    (`compat.no_backward_node`)."""
+    aliases = [tensor.detach().requires_grad_(True) for tensor in tensors]
+    results = compat.no_backward_node(message, len(aliases))(*aliases)
+    return list(results) if isinstance(results, tuple) else [results]

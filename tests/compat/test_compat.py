@@ -123,13 +123,14 @@ def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
         assert compat.torch_function_modes() == 1
     finally:
         torch.set_default_device(None)
-    before, before_public = compat.matmul_settings(), compat_calls._public_matmul_settings()
+    matmul_settings = lambda: tuple(read() for read in compat.matmul_setting_readers)     # noqa: E731
+    before, before_public = matmul_settings(), compat_calls._public_matmul_settings()
     torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
     try:
-        assert compat.matmul_settings() != before and compat_calls._public_matmul_settings() != before_public
+        assert matmul_settings() != before and compat_calls._public_matmul_settings() != before_public
     finally:
         torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
-    assert compat.matmul_settings() == before
+    assert matmul_settings() == before
     assert compat.any_autocast_enabled is torch._C._is_any_autocast_enabled   # torch's C function itself
     monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
     monkeypatch.delattr(torch._C, "_len_torch_function_stack")
@@ -140,19 +141,24 @@ def test_process_state_readers_and_their_fallbacks_agree(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fallbacks[0]()
     monkeypatch.delattr(torch._C, "_get_cudnn_benchmark")
-    assert compat_calls._resolve_matmul_settings() is compat_calls._public_matmul_settings
+    assert compat_calls._resolve_matmul_setting_readers() == (compat_calls._public_matmul_settings,)
 
 
-def test_without_backward_and_its_fallback_raise_the_message(monkeypatch):
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_no_backward_node_and_its_fallback_raise_the_message(monkeypatch, count):
+    from dynaflow_fn.jitting.replayer import without_backward
+
     weight = torch.randn(3, requires_grad=True)
     for fallback in (False, True):
         if fallback:
-            monkeypatch.setattr(compat_calls, "_DelayedError", None)
-        x = torch.randn(3)
-        (y,) = compat.without_backward([x], b"no graph here")
-        assert y.requires_grad and y.data_ptr() == x.data_ptr() and torch.equal(y.detach(), x)
+            monkeypatch.setattr(compat, "no_backward_node", compat_calls._NoBackwardNode)
+        xs = [torch.randn(3) for _ in range(count)]
+        ys = without_backward(xs, b"no graph here")
+        assert len(ys) == count
+        for x, y in zip(xs, ys):
+            assert y.requires_grad and y.data_ptr() == x.data_ptr() and torch.equal(y.detach(), x)
         with pytest.raises(RuntimeError, match="no graph here") as caught:
-            (y * weight).sum().backward()
+            (ys[-1] * weight).sum().backward()
         assert isinstance(caught.value, BackwardError) == fallback       # torch's own error, or ours (a RuntimeError)
 
 
@@ -522,8 +528,10 @@ def test_module_changes_are_reported_by_torchs_own_mutators(monkeypatch):
 def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
 
+    from dynaflow_fn.jitting import jitted
+
     seen = []
-    probe = lambda x: seen.append(compat.ops_are_transformed()) or x * 2       # noqa: E731
+    probe = lambda x: seen.append(jitted.ops_are_transformed()) or x * 2       # noqa: E731
     probe(torch.randn(2))
     make_fx(probe)(torch.randn(2))
     torch.func.vmap(probe)(torch.randn(3, 2))
@@ -532,8 +540,9 @@ def test_ops_are_transformed_inside_traces_modes_and_torch_func_transforms(monke
         probe(torch.randn(2))
     assert seen == [False, True, True, True, True]
     monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
-    monkeypatch.delattr(torch._C._functorch, "peek_interpreter_stack")
-    monkeypatch.setattr(compat, "ops_are_transformed", compat_calls._resolve_ops_are_transformed())
+    monkeypatch.setattr(jitted, "_mode_depth", compat_calls._resolve_dispatch_mode_readers()[0])
+    monkeypatch.setattr(jitted, "_recording_mode", compat_calls._resolve_dispatch_mode_readers()[1])
+    monkeypatch.setattr(jitted, "_interpreter", compat_calls._no_interpreter)
     seen.clear()
     make_fx(probe)(torch.randn(2))
     torch.func.vmap(probe)(torch.randn(3, 2))
