@@ -80,6 +80,27 @@ def test_aliased_written_arguments_are_refused_on_the_graph_backend():
         fast(x, x)
 
 
+def test_a_later_call_whose_copied_input_overlaps_a_resident_written_one_is_refused():
+    """The replay compares only the copied-in inputs with the bytes of the resident written ones
+    (guard.WrittenBytes); a view of the cache passed as the new token is still caught."""
+    def append(cache, x):
+        cache[:, 0].add_(x)
+        return cache.sum(1)
+
+    cache = torch.zeros(16, 4, device="cuda")
+    fast = df.jit(append, donate_argnums=(0,))
+    for _ in range(3):
+        fast(cache, torch.randn(16, device="cuda"))
+    assert fast.cache_info().captures == 1
+    with pytest.raises(df.InputError, match=r"cache and x share memory"):
+        fast(cache, cache[:, 0])
+    with pytest.raises(df.InputError, match=r"cache and x share memory"):
+        fast(cache, cache.view(-1)[60:])
+    expected, x = cache.clone(), torch.randn(16, device="cuda")
+    torch.testing.assert_close(fast(cache, x), append(expected, x), rtol=0, atol=0)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+
+
 def test_backward_through_graph_outputs_is_a_named_error():
     model = nn.Linear(32, 32).cuda()
     fn, params = df.pure(model)

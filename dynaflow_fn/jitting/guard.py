@@ -257,40 +257,78 @@ def modes_unchanged(module_modes: Sequence[tuple[torch.nn.Module, bool]]) -> boo
     return all(module.training == training for module, training in module_modes)
 
 
-def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], names: Sequence[str],
-                      others: Sequence[int] | None = None) -> None:
+def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], names: Sequence[str]) -> None:
     """Refuse a call in which a tensor the plan writes shares memory with another input.
 
     A trace sees each argument as a tensor of its own. If `fn` writes `x` (an in-place update, or a
     donated argument) and `y` is `x`, or a view overlapping it, eager PyTorch would read the new
     values through `y` and the plan reads the old ones (or a half-written buffer): a different result.
     Read-only aliasing is harmless and allowed. Memory is compared by byte range within a storage,
-    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then.
-
-    `others` limits the inputs the written ones are compared with (default: all): a call whose
-    resident inputs are the very tensors, unchanged, of a call already checked need compare only the
-    rest, which costs a few tensors per call instead of every weight."""
-    by_storage: dict[int, list[tuple[int, int, int]]] = {}
-    span_of: dict[int, tuple[int, int, int]] = {}
-    for index in sorted(set(written) | set(others)) if others is not None else range(len(tensors)):
-        tensor = tensors[index]
-        if tensor.numel() == 0:
-            continue
-        start = tensor.storage_offset() * tensor.element_size()
-        extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
-        span_of[index] = (tensor.untyped_storage().data_ptr(), start, start + extent * tensor.element_size())
-        by_storage.setdefault(span_of[index][0], []).append((*span_of[index][1:], index))
+    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then."""
+    by_storage = _spans_by_storage(tensors, range(len(tensors)))
     for index in written:
-        if index not in span_of:
+        if not tensors[index].numel():
             continue
-        storage, start, end = span_of[index]
+        storage, start, end = _byte_span(tensors[index])
         for other_start, other_end, other in by_storage[storage]:
             if other != index and other_start < end and start < other_end:
-                raise InputError(
-                    f"{names[index]} and {names[other]} share memory, and the function writes {names[index]} "
-                    f"(an in-place update or a donated argument). A traced program sees them as separate "
-                    f"tensors, so it would not compute what eager PyTorch computes. Pass a copy "
-                    f"({names[other]}.clone()) or pass the tensor once.")
+                raise _aliasing_error(names, index, other)
+
+
+class WrittenBytes:
+    """The bytes the written inputs of a call checked in full (`check_no_aliasing`) occupy, to check a
+    later call of the same plan against when all of them are resident.
+
+    A call that the guard admitted and whose resident inputs are at the addresses the executable
+    captured (it checks them) has its written inputs in the very bytes of this call, with the layouts
+    the guard checked, and they overlapped nothing then: only the `others`, the inputs that are not
+    resident, need comparing with them. `check` measures those few tensors instead of every written one (a KV cache has two per
+    layer). A call whose resident inputs moved fails the executable's address check before it runs
+    anything and is checked in full."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], written: Sequence[int], others: Sequence[int]):
+        self.by_storage = _spans_by_storage(tensors, written)
+        self.others = others
+
+    def check(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+        """Refuse a call in which one of the other inputs overlaps a written one."""
+        by_storage = self.by_storage
+        for other in self.others:
+            tensor = tensors[other]
+            spans = by_storage.get(tensor.untyped_storage().data_ptr())
+            if spans is None or tensor.numel() == 0:
+                continue
+            _, start, end = _byte_span(tensor)
+            for written_start, written_end, index in spans:
+                if written_start < end and start < written_end:
+                    raise _aliasing_error(names, index, other)
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """(the address of its storage, the first byte, the end) of the bytes a non-empty tensor's elements
+    can occupy."""
+    start = tensor.storage_offset() * tensor.element_size()
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    return tensor.untyped_storage().data_ptr(), start, start + extent * tensor.element_size()
+
+
+def _spans_by_storage(tensors: Sequence[torch.Tensor], indices: Any) -> dict[int, list[tuple[int, int, int]]]:
+    """The (first byte, end, index) of the tensors at `indices`, grouped by the address of their storage."""
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for index in indices:
+        tensor = tensors[index]
+        if tensor.numel():
+            storage, start, end = _byte_span(tensor)
+            by_storage.setdefault(storage, []).append((start, end, index))
+    return by_storage
+
+
+def _aliasing_error(names: Sequence[str], written: int, other: int) -> InputError:
+    return InputError(
+        f"{names[written]} and {names[other]} share memory, and the function writes {names[written]} "
+        f"(an in-place update or a donated argument). A traced program sees them as separate "
+        f"tensors, so it would not compute what eager PyTorch computes. Pass a copy "
+        f"({names[other]}.clone()) or pass the tensor once.")
 
 
 def check_updates_allowed(tensors: Sequence[torch.Tensor], updated: Sequence[int], names: Sequence[str],

@@ -23,7 +23,7 @@ from ..runtime.cudagraph import CudaGraphExecutable
 from ..runtime.eager import EagerExecutable
 from ..runtime.shared_pool import SharedPool
 from .binding import Binding
-from .guard import Guard, check_no_aliasing, check_no_inference_writes, check_updates_allowed
+from .guard import Guard, WrittenBytes, check_no_aliasing, check_no_inference_writes, check_updates_allowed
 from .options import CUDAGRAPH
 from .pipeline import ColdStart
 
@@ -44,7 +44,7 @@ class Replayer:
         self.graph_memory_bytes = 0                    # device memory the capture allocated (CUDA graphs)
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
-        self.changing: list[int] | None = None        # inputs the guard does not know by identity (see replay)
+        self.written_bytes: WrittenBytes | None = None    # of the call the guard was built on (see replay)
         self.runs = 0                                  # calls completed, to tell a move per call from one now and then
         self.moved_at: dict[int, int] = {}             # resident inputs that arrived at a new address: when
         self.copied_anyway: set[int] = set()           # ... on two calls in a row: copied in from then on
@@ -70,16 +70,17 @@ class Replayer:
 
     def call(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
         """Run on leaves whose full signature, state and modes are this plan's; guard calls like it."""
-        outputs = self.run(self.tensors_of(leaves), rebuild_if_moved=True)
-        self.guard = self._guard(treedef, leaves, state)
+        tensors = self.tensors_of(leaves)
+        outputs = self.run(tensors, rebuild_if_moved=True)
+        self.guard = self._guard(treedef, leaves, state, tensors)
         return outputs
 
     def replay(self, leaves: Sequence[Any]) -> Any:
         """Run on leaves that `guard` admitted. Raises ResidentInputMoved if a resident input has new
-        memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. The
-        guard vouches that its versioned inputs are the tensors of a call already checked for
-        aliasing, unchanged, so only the others are compared with what the plan writes."""
-        return self.run(self.tensors_of(leaves), rebuild_if_moved=False, aliasing_others=self.changing)
+        memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. Where
+        every input the plan writes is resident, only the others are compared with the bytes they
+        occupied when the guard was built (`WrittenBytes`)."""
+        return self.run(self.tensors_of(leaves), rebuild_if_moved=False, written_bytes=self.written_bytes)
 
     def prepare(self, leaves: Sequence[Any]) -> None:
         """Build the executable (capture its graph) for calls like this one, without running it."""
@@ -97,13 +98,16 @@ class Replayer:
         return lambda: self.run(tensors, rebuild_if_moved=True, resident=resident)
 
     def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool, resident: Sequence[bool] | None = None,
-            aliasing_others: Sequence[int] | None = None) -> Any:
+            written_bytes: WrittenBytes | None = None) -> Any:
         """Run the executable (built on first use) on its inputs and return the call's outputs.
         `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors;
-        `aliasing_others` limits the aliasing check (see `replay`)."""
+        `written_bytes` replaces the full aliasing check (see `replay`)."""
         binding = self.binding
         if binding.written:
-            check_no_aliasing(tensors, binding.written, binding.names, aliasing_others)
+            if written_bytes is not None:
+                written_bytes.check(tensors, binding.names)
+            else:
+                check_no_aliasing(tensors, binding.written, binding.names)
             if not torch.is_inference_mode_enabled():
                 check_no_inference_writes(tensors, binding.written, binding.names, binding.fn_name)
         if binding.updated_under_grad and torch.is_grad_enabled():
@@ -169,14 +173,15 @@ class Replayer:
     def _cold_start_phase(self, label: str) -> Any:
         return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()
 
-    def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Guard:
+    def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple, tensors: Sequence[torch.Tensor]) -> Guard:
         """A guard for calls like this one. It checks every tensor's layout and the executable checks the
         resident ones' addresses, so resident inputs of an admitted call occupy the very bytes they did
         in this call: only the copied-in ones need comparing with the written ones for aliasing."""
         binding = self.binding
         resident = set(getattr(self.executable, "resident", ()))
-        self.changing = (None if not set(binding.written) <= resident
-                         else [i for i in range(len(binding.names)) if i not in resident])
+        all_resident = bool(binding.written) and set(binding.written) <= resident
+        self.written_bytes = (WrittenBytes(tensors, binding.written, [i for i in range(len(tensors)) if i not in resident])
+                              if all_resident else None)
         return Guard(treedef, leaves, state, [m for m, _ in binding.module_modes], binding.closed_over,
                      watch=binding.watch)
 

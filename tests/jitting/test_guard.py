@@ -254,3 +254,19 @@ def test_a_call_with_a_container_where_a_tensor_was_is_flattened_anew(check_path
     for call in (flat, nested, flat):
         torch.testing.assert_close(fast(call, x), x + sum(optree.tree_leaves(call)))
     assert fast.cache_info().misses == 2
+
+
+def test_written_bytes_refuse_exactly_the_other_inputs_that_overlap_a_written_one():
+    cache, other = torch.zeros(8, 4), torch.zeros(8)
+    written = guard_module.WrittenBytes([cache, cache[:, 0], other], written=[0], others=[1, 2])
+    names = ["cache", "x", "y"]
+    for x in (cache[:, 0], cache.view(-1)[31:], cache[7]):              # a column, the last element, a row
+        with pytest.raises(df.InputError, match="cache and x share memory"):
+            written.check([cache, x, other], names)
+    for x in (torch.zeros(8), torch.zeros(0), cache[:0]):              # other memory, or no bytes at all
+        written.check([cache, x, other], names)
+    half = torch.zeros(2, 8)
+    left = guard_module.WrittenBytes([half[0], half[1]], written=[0], others=[1])
+    left.check([half[0], half[1]], ["a", "b"])                          # the other half of one storage
+    with pytest.raises(df.InputError, match="a and b share memory"):
+        left.check([half[0], half.view(-1)[7:9]], ["a", "b"])
