@@ -138,12 +138,15 @@ class Replayer:
             if isinstance(replacing, CudaGraphExecutable) and resident is None:
                 self._note_moved(tensors, replacing)
             if self.runtime == CUDAGRAPH:
+                previous = replacing if isinstance(replacing, CudaGraphExecutable) else None
                 with self._cold_start_phase("capture"):
                     before = torch.cuda.memory_allocated(plan.device)
                     self.executable = CudaGraphExecutable(
                         plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
-                        self.static_outputs, self.memory)
-                    self.graph_memory_bytes = torch.cuda.memory_allocated(plan.device) - before
+                        self.static_outputs, self.memory, previous)
+                    grown = torch.cuda.memory_allocated(plan.device) - before
+                    kept = self.graph_memory_bytes - previous.captured_bytes if previous is not None else 0
+                    self.graph_memory_bytes = kept + grown     # the buffers it shares, its own capture
                 self.on_capture()
             else:
                 self.executable = EagerExecutable(plan, plan.device, self.memory)

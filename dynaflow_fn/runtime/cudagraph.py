@@ -26,6 +26,13 @@ from cleared workspaces, making cuBLAS allocate fresh ones inside this graph's p
 only this graph uses and which lives as long as it does; and clears them again afterwards, so that
 eager work never reuses memory the graph writes into during its replays.
 
+A resident input that moved is captured again into a new executable made from the one it replaces
+(`previous`): the bound plan, the static input and output buffers and the streams are the same, and
+the warm-up run is left out when the previous executable was captured on this thread, since the
+libraries and kernels it initializes (cuBLAS handles, Triton modules) are initialized by then. A
+transformers generate() call that builds a new KV cache pays for one capture run, not two runs and a
+bind.
+
 Executables given a `SharedPool` (the plans of one function's batch buckets) run in its buffers and
 capture into its one graph pool instead, taking its turns, captures included: the warm-up run writes
 the shared buffers too. What a graph allocates while it runs and returns (an op without an out=
@@ -35,6 +42,7 @@ the pool memory each capture allocated is free again for the next capture.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -52,17 +60,21 @@ class CudaGraphExecutable:
 
     `resident` says per input whether the graph reads it at its own address (else it is copied in).
     With `memory`, the executable runs in the arena, output and static input buffers of a
-    `SharedPool`, captures into its graph pool and takes its turns (see `shared_pool`)."""
+    `SharedPool`, captures into its graph pool and takes its turns (see `shared_pool`). `previous` is
+    the executable of this plan that this one replaces, built for inputs that have since moved: its
+    memory and streams are reused (see the module docstring)."""
 
     def __init__(self, plan: Plan, device: torch.device, inputs: Sequence[torch.Tensor],
-                 resident: Sequence[bool], static_outputs: bool = False, memory: SharedPool | None = None):
+                 resident: Sequence[bool], static_outputs: bool = False, memory: SharedPool | None = None,
+                 previous: CudaGraphExecutable | None = None):
         self.plan = plan
         self.static_outputs = static_outputs
         self.memory = memory
-        self.turns = memory.turns if memory is not None else Turns(device)
+        self.turns = previous.turns if previous else memory.turns if memory is not None else Turns(device)
         with self.turns:                       # shared buffers are written from here on: by the warm-up run
-            self.bound = BoundPlan(plan, device, memory.buffer("arena", plan.arena_nbytes) if memory else None)
-            self.static_inputs = [tensor if is_resident else self._static_input(i, tensor, device)
+            self.bound = (previous.bound if previous else
+                          BoundPlan(plan, device, memory.buffer("arena", plan.arena_nbytes) if memory else None))
+            self.static_inputs = [tensor if is_resident else self._static_input(i, tensor, device, previous)
                                   for i, (tensor, is_resident) in enumerate(zip(inputs, resident))]
             self.copied = [i for i, is_resident in enumerate(resident) if not is_resident]
             self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
@@ -71,23 +83,30 @@ class CudaGraphExecutable:
             self.written_inputs = plan.written_inputs()
             self.write_back = [i for i in self.written_inputs if not resident[i]]
             self.env = self.bound.new_env(self.static_inputs)
-            self.copied_out = self._bind_outputs()
+            self.copied_out = self._bind_outputs(previous)
             input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
             self.output_input = [input_position.get(slot) for slot in plan.output_slots]
-            self._capture(device, inputs)
+            self._capture(device, inputs, previous)
             for i in self.resident:           # read by address: the caller's tensors stay the caller's to free
                 self.static_inputs[i] = self.env[plan.input_slots[i]] = None
 
-    def _static_input(self, index: int, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _static_input(self, index: int, tensor: torch.Tensor, device: torch.device,
+                      previous: CudaGraphExecutable | None) -> torch.Tensor:
+        if previous is not None and previous.static_inputs[index] is not None:
+            return previous.static_inputs[index]                   # the plan's layout: the same buffer fits
         if self.memory is not None:
             return self.memory.static_input(index, tensor)
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
-    def _bind_outputs(self) -> list[tuple[int, torch.Tensor]]:
-        """Bind the output buffers; with shared memory, all of them in its output buffer, and the
-        outputs that steps allocate while the graph runs (ops without an out= kernel) copied there at
-        the end of the graph, so that no graph keeps memory of its own in the shared pool. Returns those
-        (slot, buffer view) pairs."""
+    def _bind_outputs(self, previous: CudaGraphExecutable | None) -> list[tuple[int, torch.Tensor]]:
+        """Bind the output buffers (those of `previous`, if given); with shared memory, all of them in
+        its output buffer, and the outputs that steps allocate while the graph runs (ops without an out=
+        kernel) copied there at the end of the graph, so that no graph keeps memory of its own in the
+        shared pool. Returns those (slot, buffer view) pairs."""
+        if previous is not None:
+            for slot, _ in self.bound.output_slots:
+                self.env[slot.index] = previous.env[slot.index]
+            return previous.copied_out
         if self.memory is None:
             self.bound.allocate_outputs(self.env)
             return []
@@ -99,27 +118,36 @@ class CudaGraphExecutable:
         self.bound.allocate_outputs(self.env, buffer)
         return [(slot, view_of(buffer, offsets[plan.slots[slot].storage], plan.slots[slot])) for slot in allocated]
 
-    def _capture(self, device: torch.device, inputs: Sequence[torch.Tensor]) -> None:
+    def _capture(self, device: torch.device, inputs: Sequence[torch.Tensor],
+                 previous: CudaGraphExecutable | None) -> None:
         """Warm up once outside the graph (lazy library initialization must not be captured), on clones
         of the inputs the plan writes, so the caller's tensors change only when the call really runs;
-        then capture, with cuBLAS workspaces allocated inside the graph (see the module docstring)."""
+        then capture, with cuBLAS workspaces allocated inside the graph (see the module docstring).
+        Captured again on the thread of `previous`, the warm-up is done already."""
+        self.captured_on = threading.get_ident()
         memory = self.memory
-        side = [(k, s.priority) for k, s in enumerate(self.plan.streams) if k > 0]
-        streams = ([memory.stream(0, 0)] + [memory.stream(k, p) for k, p in side] if memory is not None else
-                   [torch.cuda.Stream(device)] + [torch.cuda.Stream(device, priority=p) for _, p in side])
+        if previous is not None:
+            streams, events = previous.streams, previous.events
+        else:
+            side = [(k, s.priority) for k, s in enumerate(self.plan.streams) if k > 0]
+            streams = ([memory.stream(0, 0)] + [memory.stream(k, p) for k, p in side] if memory is not None else
+                       [torch.cuda.Stream(device)] + [torch.cuda.Stream(device, priority=p) for _, p in side])
+            events = [torch.cuda.Event() for _ in range(self.plan.num_events)]
+        self.streams, self.events = streams, events
         capture_stream = streams[0]
-        events = [torch.cuda.Event() for _ in range(self.plan.num_events)]
-        self._load_inputs(inputs)
-        warm_env = list(self.env)
-        for i in self.written_inputs:
-            warm_env[self.plan.input_slots[i]] = self.static_inputs[i].clone()
-        capture_stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(capture_stream), torch.no_grad():
-            self.bound.run(warm_env, streams, events)
-        torch.cuda.current_stream(device).wait_stream(capture_stream)
-        torch.cuda.synchronize(device)
+        if previous is None or previous.captured_on != self.captured_on:
+            self._load_inputs(inputs)
+            warm_env = list(self.env)
+            for i in self.written_inputs:
+                warm_env[self.plan.input_slots[i]] = self.static_inputs[i].clone()
+            capture_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(capture_stream), torch.no_grad():
+                self.bound.run(warm_env, streams, events)
+            torch.cuda.current_stream(device).wait_stream(capture_stream)
+            torch.cuda.synchronize(device)
         self._load_inputs(inputs)
         self.graph = torch.cuda.CUDAGraph()
+        allocated = torch.cuda.memory_allocated(device)
         compat.clear_cublas_workspaces()
         try:
             with torch.cuda.graph(self.graph, pool=memory.graph_pool if memory is not None else None,
@@ -131,7 +159,7 @@ class CudaGraphExecutable:
             compat.clear_cublas_workspaces()
         for slot, buffer in self.copied_out:                # the allocated outputs return to the pool
             self.env[slot] = buffer
-        self._keep_alive = (streams, events)
+        self.captured_bytes = torch.cuda.memory_allocated(device) - allocated    # held by this graph alone
 
     def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         for i in self.copied:

@@ -208,15 +208,23 @@ class BoundPlan:
                 for slot in dead:
                     env[slot] = None
             return
-        for step, runner, dead, foreign in zip(self.plan.steps, self.runners, release, self.cross_stream_reads):
-            stream = streams[step.stream]
-            for event in step.waits:
-                stream.wait_event(events[event])
-            for slot in foreign:
-                env[slot].record_stream(stream)
-            with torch.cuda.stream(stream):
-                runner(env)
-            for event in step.records:
-                events[event].record(stream)
-            for slot in dead:
-                env[slot] = None
+        entry, on = torch.cuda.current_stream(self.device), None
+        with torch.cuda.device(self.device):        # set_stream makes the stream's device current too
+            try:
+                for step, runner, dead, foreign in zip(self.plan.steps, self.runners, release,
+                                                       self.cross_stream_reads):
+                    stream = streams[step.stream]
+                    for event in step.waits:
+                        stream.wait_event(events[event])
+                    for slot in foreign:
+                        env[slot].record_stream(stream)
+                    if step.stream != on:           # a switch only where the plan changes streams
+                        torch.cuda.set_stream(stream)
+                        on = step.stream
+                    runner(env)
+                    for event in step.records:
+                        events[event].record(stream)
+                    for slot in dead:
+                        env[slot] = None
+            finally:
+                torch.cuda.set_stream(entry)

@@ -17,7 +17,9 @@ from dynaflow_fn.runtime.eager import EagerExecutable
 class AddressBoundExecutable(EagerExecutable):
     """Interprets the plan, but refuses resident inputs at other addresses than the ones it was built on."""
 
-    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None):
+    captured_bytes = 0
+
+    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None):
         super().__init__(plan, device, memory)
         self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
         self.addresses = {i: inputs[i].data_ptr() for i in self.resident}

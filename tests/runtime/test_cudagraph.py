@@ -297,3 +297,53 @@ def test_a_resident_input_replaced_now_and_then_stays_resident():
             for _ in range(3):
                 torch.testing.assert_close(fast(cache, x), scaled(cache, x))
     assert fast.cache_info().captures == 3
+
+
+def _counting_runs(monkeypatch):
+    """The BoundPlan of every interpreter run (warm-up or capture) from now on."""
+    from dynaflow_fn.runtime.interpreter import BoundPlan
+
+    runs, run = [], BoundPlan.run
+    monkeypatch.setattr(BoundPlan, "run", lambda self, *args, **kwargs: runs.append(self) or run(self, *args, **kwargs))
+    return runs
+
+
+def _decode_like(cache, w, x):
+    """Reads a cache, as a decode step does, and updates it in place."""
+    y = torch.tanh(x @ w) + cache[: x.shape[0]]
+    cache[: x.shape[0]].add_(y)
+    return y * 2
+
+
+@pytest.mark.parametrize("strategy", [None, "tbo"], ids=["one-stream", "microbatch2-tbo"])
+def test_a_capture_after_a_move_reuses_the_plans_memory_and_leaves_out_the_warm_up(monkeypatch, strategy):
+    """generate() makes a new KV cache per call: the decode graph is captured again for it. The new
+    capture runs in the same arena and buffers on the same streams, with one interpreter run (the
+    capture) instead of two, and computes what eager PyTorch does."""
+    import threading
+
+    if strategy is None:
+        plain = fn = _decode_like
+    else:
+        plain = lambda cache, w, x: torch.tanh(x @ w) * cache.sum()                     # noqa: E731
+        fn = T.overlap(T.microbatch(plain, num=2, in_axes=(None, None, 0)), strategy=strategy)
+    fast = df.jit(fn, persistent_argnums=(0,), progress=False)
+    runs = _counting_runs(monkeypatch)
+    w, x = torch.randn(16, 16, device="cuda"), torch.randn(8, 16, device="cuda")
+    caches = [torch.randn(8, 16, device="cuda") for _ in range(4)]
+    expected = [c.clone() for c in caches]
+    for cache, mirror in zip(caches[:3], expected):
+        for _ in range(2):
+            xs = torch.randn(8, 16, device="cuda")
+            torch.testing.assert_close(fast(cache, w, xs), plain(mirror, w, xs), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache, mirror, rtol=1e-5, atol=1e-5)
+    assert fast.cache_info().captures == 3
+    assert len(runs) == 2 + 1 + 1 and all(bound is runs[0] for bound in runs)
+    memory = fast.cache_info().graph_memory_bytes
+    other_thread = threading.Thread(target=lambda: fast(caches[3], w, x))
+    other_thread.start()
+    other_thread.join()
+    plain(expected[3], w, x)
+    torch.testing.assert_close(caches[3], expected[3], rtol=1e-5, atol=1e-5)
+    assert len(runs) == 4 + 2                              # another thread warms up first
+    assert fast.cache_info().graph_memory_bytes <= memory + (1 << 20)

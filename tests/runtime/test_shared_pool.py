@@ -57,7 +57,7 @@ def test_an_executable_in_shared_memory_binds_every_output_in_the_shared_output_
     executable.plan, executable.memory = plan, pool
     executable.bound = BoundPlan(plan, CPU)
     executable.env = executable.bound.new_env([w, x])
-    copied = executable._bind_outputs()
+    copied = executable._bind_outputs(previous=None)
     assert [slot for slot, _ in copied] == [plan.output_slots[1]]
     outputs = [dict(copied).get(slot, executable.env[slot]) for slot in plan.output_slots]
     assert [(t.shape, t.dtype) for t in outputs] == [((3, 4), torch.float32), ((), torch.float32), ((3, 4), torch.bool)]
