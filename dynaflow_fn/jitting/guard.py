@@ -286,9 +286,11 @@ class WrittenBytes:
     layer). A call whose resident inputs moved fails the executable's address check before it runs
     anything and is checked in full."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], written: Sequence[int], others: Sequence[int]):
+    def __init__(self, tensors: Sequence[torch.Tensor], written: Sequence[int], others: Sequence[int],
+                 executable: Any = None):
         self.by_storage = _spans_by_storage(tensors, written)
         self.others = others
+        self.executable = executable        # whose resident addresses they are: a new capture measures anew
 
     def check(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         """Refuse a call in which one of the other inputs overlaps a written one."""

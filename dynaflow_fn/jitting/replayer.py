@@ -69,10 +69,15 @@ class Replayer:
     # --- the ways to run --------------------------------------------------------------------------
 
     def call(self, treedef: Any, leaves: Sequence[Any], state: tuple) -> Any:
-        """Run on leaves whose full signature, state and modes are this plan's; guard calls like it."""
+        """Run on leaves whose full signature, state and modes are this plan's; guard calls like it. The
+        guard of the last call stays where it admits this one: a call whose resident input moved (the
+        first decoding step on a new KV cache) needs no new guard, only the new bytes of what it writes."""
         tensors = self.tensors_of(leaves)
         outputs = self.run(tensors, rebuild_if_moved=True)
-        self.guard = self._guard(treedef, leaves, state, tensors)
+        if self.guard is None or not self.guard.admits(treedef, leaves, state):
+            self.guard = Guard(treedef, leaves, state, [m for m, _ in self.binding.module_modes],
+                               self.binding.closed_over, watch=self.binding.watch)
+        self.written_bytes = self._written_bytes(tensors)
         return outputs
 
     def replay(self, leaves: Sequence[Any]) -> Any:
@@ -102,9 +107,9 @@ class Replayer:
         """Run the executable (built on first use) on its inputs and return the call's outputs.
         `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors;
         `written_bytes` replaces the full aliasing check (see `replay`)."""
-        binding = self.binding
+        binding, executable = self.binding, self.executable
         if binding.written:
-            if written_bytes is not None:
+            if written_bytes is not None and written_bytes.executable is executable:
                 written_bytes.check(tensors, binding.names)
             else:
                 check_no_aliasing(tensors, binding.written, binding.names)
@@ -112,7 +117,7 @@ class Replayer:
                 check_no_inference_writes(tensors, binding.written, binding.names, binding.fn_name)
         if binding.updated_under_grad and torch.is_grad_enabled():
             check_updates_allowed(tensors, binding.updated_under_grad, binding.names, binding.fn_name)
-        executable = self.executable or self._build(tensors, None, resident)
+        executable = executable or self._build(tensors, None, resident)
         try:
             outputs = executable(tensors)
         except ResidentInputMoved:
@@ -176,17 +181,15 @@ class Replayer:
     def _cold_start_phase(self, label: str) -> Any:
         return self.cold_start.phase(label) if self.cold_start is not None else contextlib.nullcontext()
 
-    def _guard(self, treedef: Any, leaves: Sequence[Any], state: tuple, tensors: Sequence[torch.Tensor]) -> Guard:
-        """A guard for calls like this one. It checks every tensor's layout and the executable checks the
-        resident ones' addresses, so resident inputs of an admitted call occupy the very bytes they did
-        in this call: only the copied-in ones need comparing with the written ones for aliasing."""
-        binding = self.binding
-        resident = set(getattr(self.executable, "resident", ()))
-        all_resident = bool(binding.written) and set(binding.written) <= resident
-        self.written_bytes = (WrittenBytes(tensors, binding.written, [i for i in range(len(tensors)) if i not in resident])
-                              if all_resident else None)
-        return Guard(treedef, leaves, state, [m for m, _ in binding.module_modes], binding.closed_over,
-                     watch=binding.watch)
+    def _written_bytes(self, tensors: Sequence[torch.Tensor]) -> WrittenBytes | None:
+        """What a replay compares its copied-in inputs with, where the plan writes only resident inputs.
+        The guard checks every tensor's layout and the executable the resident ones' addresses, so the
+        resident inputs of an admitted call occupy the very bytes they did in this call."""
+        binding, executable = self.binding, self.executable
+        resident = set(getattr(executable, "resident", ()))
+        if not binding.written or not set(binding.written) <= resident:
+            return None
+        return WrittenBytes(tensors, binding.written, [i for i in range(len(tensors)) if i not in resident], executable)
 
     def _without_backward(self, outputs: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Outputs that, like eager ones, require grad: those that depend, through ops eager autograd

@@ -62,3 +62,23 @@ def test_a_resident_input_replaced_now_and_then_stays_resident(address_bound_run
             for _ in range(3):
                 torch.testing.assert_close(fast(cache, x), scaled(cache, x))
     assert fast.cache_info().captures == 3
+
+
+def test_a_call_whose_resident_input_moved_keeps_its_guard_and_measures_the_new_bytes(address_bound_runtime):
+    """The first decoding step on a new KV cache: captured again, with the guard it had (the layouts are
+    the same), and an input that overlaps the new cache is still refused."""
+    def append(cache, x):
+        cache.add_(x)
+        return cache * 2
+
+    fast = df.jit(append, persistent_argnums=(0,), progress=False)
+    old, new, x = torch.zeros(4, 8), torch.zeros(4, 8), torch.randn(4, 8)
+    fast(old, x)
+    fast(old, x)
+    guard = fast._last.guard
+    expected = new.clone()
+    torch.testing.assert_close(fast(new, x), append(expected, x), rtol=0, atol=0)
+    assert fast._last.guard is guard and fast.cache_info().captures == 2
+    with pytest.raises(df.InputError, match="cache and x share memory"):
+        fast(new, new)
+    torch.testing.assert_close(new, expected, rtol=0, atol=0)
