@@ -54,8 +54,12 @@ class Flat:
 
 def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
     """`lambda items: [items[i] for i in positions]` as one C call (an `operator.itemgetter`), for
-    the per-call path: a tuple of several items, a one-item slice for one, an empty slice for none."""
+    the per-call path: a tuple of several items, a one-item slice for one, an empty slice for none,
+    and a slice of the first n where the positions are 0..n-1 (a graph whose every input is a tensor),
+    which copies n pointers instead of looking up n indices."""
     positions = list(positions)
+    if len(positions) > 1 and positions == list(range(len(positions))):
+        return operator.itemgetter(slice(0, len(positions)))
     if len(positions) == 1:
         return operator.itemgetter(slice(positions[0], positions[0] + 1))
     return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))

@@ -49,7 +49,7 @@ from .options import JitOptions
 from .pipeline import ColdStart, Pipeline
 from .replayer import Replayer
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _mode_depth, _recording_mode, _interpreter = \
     compat.dispatch_mode_depth, compat.recording_mode_active, compat.functorch_interpreter
 
@@ -113,7 +113,7 @@ class Jitted:
         if ops_are_transformed():                  # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
             return self.fn(*args, **kwargs)
         call, last = (args, kwargs), self._last
-        if not kwargs and all(type(arg) in _PLAIN_TENSORS for arg in args):
+        if not kwargs and _PLAIN_TENSORS.issuperset(map(type, args)):
             leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:
             if last is not None and last.guard is not None and self.bucketing is None:
