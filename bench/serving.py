@@ -18,9 +18,11 @@ Reported per variant: tokens/s (new tokens of the whole batch over the median ge
 `--repeats` calls after the first), the first generate() in seconds (compilation and capture included)
 and, for df, the CUDA-graph captures of all its graphs. Every variant's first-step logits are checked
 against eager's (relative error under MAX_REL_ERR, bf16), and its tokens compared. Each variant runs
-in a fresh process, one after the other: in one process, Qwen2's df variant ran 1288 tokens/s after
-the eager and hf-compile-ro variants and 1651 alone (H200), so what one variant leaves behind (Dynamo's
-caches of the model's code, cudagraph trees' pool, a heap grown by compiling) weighs on the next.
+in a fresh process, one after the other, as a user runs one of them. In one process, what a variant
+leaves behind (Dynamo's caches of the model's code, cudagraph trees' pool, a heap grown by compiling)
+weighs on the next: on an H200, Qwen2's df variant ran 1288 tokens/s after the eager and hf-compile-ro
+variants and 1651 in a process of its own (the same code), and Llama's hf-compile-ro 3395 after eager
+and 4045 alone.
 
 `decode-walk`: examples/serve_llama.py's model step (a 4-layer Llama-like model, bf16, decode tokens
 only: a one-token dummy chunk) over a static KV cache, at batch sizes drawn by a seeded random walk
