@@ -282,15 +282,16 @@ class WrittenBytes:
     A call that the guard admitted and whose resident inputs are at the addresses the executable
     captured (it checks them) has its written inputs in the very bytes of this call, with the layouts
     the guard checked, and they overlapped nothing then: only the `others`, the inputs that are not
-    resident, need comparing with them. `check` measures those few tensors instead of every written one (a KV cache has two per
-    layer). A call whose resident inputs moved fails the executable's address check before it runs
-    anything and is checked in full."""
+    resident, need comparing with them. `check` measures those few tensors instead of every written
+    one (a KV cache has two per layer). They hold for the `executable` whose resident addresses they
+    are: a call whose resident inputs moved fails its address check before it runs anything and is
+    checked in full, and the new capture is measured anew."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], written: Sequence[int], others: Sequence[int],
-                 executable: Any = None):
+                 executable: Any):
         self.by_storage = _spans_by_storage(tensors, written)
         self.others = others
-        self.executable = executable        # whose resident addresses they are: a new capture measures anew
+        self.executable = executable
 
     def check(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         """Refuse a call in which one of the other inputs overlaps a written one."""

@@ -44,7 +44,7 @@ class Replayer:
         self.graph_memory_bytes = 0                    # device memory the capture allocated (CUDA graphs)
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
-        self.written_bytes: WrittenBytes | None = None    # of the call the guard was built on (see replay)
+        self.written_bytes: WrittenBytes | None = None    # of the last call checked in full (see replay)
         self.runs = 0                                  # calls completed, to tell a move per call from one now and then
         self.moved_at: dict[int, int] = {}             # resident inputs that arrived at a new address: when
         self.copied_anyway: set[int] = set()           # ... on two calls in a row: copied in from then on
@@ -83,8 +83,8 @@ class Replayer:
     def replay(self, leaves: Sequence[Any]) -> Any:
         """Run on leaves that `guard` admitted. Raises ResidentInputMoved if a resident input has new
         memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. Where
-        every input the plan writes is resident, only the others are compared with the bytes they
-        occupied when the guard was built (`WrittenBytes`)."""
+        every input the plan writes is resident, only the others are compared with the bytes those
+        occupied in the last call checked in full (`WrittenBytes`)."""
         return self.run(self.tensors_of(leaves), rebuild_if_moved=False, written_bytes=self.written_bytes)
 
     def prepare(self, leaves: Sequence[Any]) -> None:
@@ -140,10 +140,10 @@ class Replayer:
             plan = self.plan
             if replacing is None and distributed.collective_signature(plan):
                 distributed.check_consistent(plan)
-            if isinstance(replacing, CudaGraphExecutable) and resident is None:
-                self._note_moved(tensors, replacing)
+            previous = replacing if isinstance(replacing, CudaGraphExecutable) else None
+            if previous is not None and resident is None:
+                self._note_moved(tensors, previous)
             if self.runtime == CUDAGRAPH:
-                previous = replacing if isinstance(replacing, CudaGraphExecutable) else None
                 with self._cold_start_phase("capture"):
                     before = torch.cuda.memory_allocated(plan.device)
                     self.executable = CudaGraphExecutable(

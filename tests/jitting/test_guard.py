@@ -258,7 +258,7 @@ def test_a_call_with_a_container_where_a_tensor_was_is_flattened_anew(check_path
 
 def test_written_bytes_refuse_exactly_the_other_inputs_that_overlap_a_written_one():
     cache, other = torch.zeros(8, 4), torch.zeros(8)
-    written = guard_module.WrittenBytes([cache, cache[:, 0], other], written=[0], others=[1, 2])
+    written = guard_module.WrittenBytes([cache, cache[:, 0], other], written=[0], others=[1, 2], executable=None)
     names = ["cache", "x", "y"]
     for x in (cache[:, 0], cache.view(-1)[31:], cache[7]):              # a column, the last element, a row
         with pytest.raises(df.InputError, match="cache and x share memory"):
@@ -266,7 +266,7 @@ def test_written_bytes_refuse_exactly_the_other_inputs_that_overlap_a_written_on
     for x in (torch.zeros(8), torch.zeros(0), cache[:0]):              # other memory, or no bytes at all
         written.check([cache, x, other], names)
     half = torch.zeros(2, 8)
-    left = guard_module.WrittenBytes([half[0], half[1]], written=[0], others=[1])
+    left = guard_module.WrittenBytes([half[0], half[1]], written=[0], others=[1], executable=None)
     left.check([half[0], half[1]], ["a", "b"])                          # the other half of one storage
     with pytest.raises(df.InputError, match="a and b share memory"):
         left.check([half[0], half.view(-1)[7:9]], ["a", "b"])
