@@ -65,9 +65,9 @@ def ops_are_transformed() -> bool:
 @dataclass(frozen=True)
 class CacheInfo:
     """Counters of a jitted function: calls served from the cache, traces, graph captures, entries; with
-    buckets, the rows padded and the real rows over all calls; and the device memory its CUDA graph
-    captures allocated (arena, output and static input buffers, what the graphs keep in their pools:
-    `torch.cuda.memory_allocated` after minus before each capture of the plans held)."""
+    buckets, the rows padded and the real rows over all calls; and the device memory its CUDA graphs
+    hold: arena, output and static input buffers, and the pool segments their captures added (see
+    `runtime.cudagraph` for how each is counted)."""
 
     hits: int
     misses: int

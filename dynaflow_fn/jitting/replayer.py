@@ -41,7 +41,7 @@ class Replayer:
         self.on_capture = on_capture
         self.cold_start = cold_start                   # timed until the first executable is built
         self.memory = memory                           # shared with the plans of the other buckets, or None
-        self.graph_memory_bytes = 0                    # device memory the capture allocated (CUDA graphs)
+        self.graph_memory_bytes = 0                    # device memory its CUDA graphs hold (CudaGraphExecutable.held_bytes)
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
         self.guard: Guard | None = None
         self.written_bytes: WrittenBytes | None = None    # of the last call checked in full (see replay)
@@ -145,13 +145,12 @@ class Replayer:
                 self._note_moved(tensors, previous)
             if self.runtime == CUDAGRAPH:
                 with self._cold_start_phase("capture"):
-                    before = torch.cuda.memory_allocated(plan.device)
                     self.executable = CudaGraphExecutable(
                         plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
                         self.static_outputs, self.memory, previous)
-                    grown = torch.cuda.memory_allocated(plan.device) - before
-                    kept = self.graph_memory_bytes - previous.captured_bytes if previous is not None else 0
-                    self.graph_memory_bytes = kept + grown     # the buffers it shares, its own capture
+                # The replaced graph's private pool goes with it; a shared pool stays, held by the other buckets.
+                released = previous.pool_bytes if previous is not None and self.memory is None else 0
+                self.graph_memory_bytes += self.executable.held_bytes - released
                 self.on_capture()
             else:
                 self.executable = EagerExecutable(plan, plan.device, self.memory)

@@ -26,6 +26,17 @@ from cleared workspaces, making cuBLAS allocate fresh ones inside this graph's p
 only this graph uses and which lives as long as it does; and clears them again afterwards, so that
 eager work never reuses memory the graph writes into during its replays.
 
+What an executable holds, `held_bytes`, is counted in two parts, neither of which sees cuBLAS's
+workspaces or the allocator's cache come and go: the buffers bound before the warm-up
+(`torch.cuda.memory_allocated` grows by them), and the segments the capture added to the caching
+allocator (`pool_bytes`: the growth of `torch.cuda.memory_reserved` over the capture, read once
+`torch.cuda.graph` has emptied the allocator's cache of free blocks, which it does on entering). The
+second counts what the graph's temporaries and workspaces occupy in its pool, though they are free
+blocks once the capture ends; and a capture into a shared pool that reuses blocks an earlier capture
+freed adds nothing. Counting `memory_allocated` across the whole capture went wrong both ways: the
+first clearing frees workspaces allocated before (by the warm-up, by the caller's own GEMMs), down to
+a negative count, and the temporaries were not counted at all.
+
 A resident input that moved is captured again into a new executable made from the one it replaces
 (`previous`): the bound plan, the static input and output buffers and the streams are the same, and
 the warm-up run is left out when the previous executable was captured on this thread, since the
@@ -71,6 +82,7 @@ class CudaGraphExecutable:
         self.static_outputs = static_outputs
         self.memory = memory
         self.turns = previous.turns if previous else memory.turns if memory is not None else Turns(device)
+        allocated = torch.cuda.memory_allocated(device)
         with self.turns:                       # shared buffers are written from here on: by the warm-up run
             self.bound = (previous.bound if previous else
                           BoundPlan(plan, device, memory.buffer("arena", plan.arena_nbytes) if memory else None))
@@ -86,7 +98,9 @@ class CudaGraphExecutable:
             self.copied_out = self._bind_outputs(previous)
             input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
             self.output_input = [input_position.get(slot) for slot in plan.output_slots]
+            bound_bytes = torch.cuda.memory_allocated(device) - allocated
             self._capture(device, inputs, previous)
+            self.held_bytes = bound_bytes + self.pool_bytes
             for i in self.resident:           # read by address: the caller's tensors stay the caller's to free
                 self.static_inputs[i] = self.env[plan.input_slots[i]] = None
 
@@ -147,11 +161,11 @@ class CudaGraphExecutable:
             torch.cuda.synchronize(device)
         self._load_inputs(inputs)
         self.graph = torch.cuda.CUDAGraph()
-        allocated = torch.cuda.memory_allocated(device)
         compat.clear_cublas_workspaces()
         try:
             with torch.cuda.graph(self.graph, pool=memory.graph_pool if memory is not None else None,
                                   stream=capture_stream, capture_error_mode="thread_local"), torch.no_grad():
+                reserved = torch.cuda.memory_reserved(device)     # entering emptied the allocator's cache
                 self.bound.run(self.env, streams, events)
                 for slot, buffer in self.copied_out:        # the plan joined every stream into this one
                     buffer.copy_(self.env[slot])
@@ -159,7 +173,7 @@ class CudaGraphExecutable:
             compat.clear_cublas_workspaces()
         for slot, buffer in self.copied_out:                # the allocated outputs return to the pool
             self.env[slot] = buffer
-        self.captured_bytes = torch.cuda.memory_allocated(device) - allocated    # held by this graph alone
+        self.pool_bytes = torch.cuda.memory_reserved(device) - reserved
 
     def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         for i in self.copied:

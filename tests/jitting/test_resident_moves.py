@@ -17,7 +17,7 @@ from dynaflow_fn.runtime.eager import EagerExecutable
 class AddressBoundExecutable(EagerExecutable):
     """Interprets the plan, but refuses resident inputs at other addresses than the ones it was built on."""
 
-    captured_bytes = 0
+    held_bytes = pool_bytes = 0
 
     def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None):
         super().__init__(plan, device, memory)
@@ -34,7 +34,6 @@ class AddressBoundExecutable(EagerExecutable):
 def address_bound_runtime(monkeypatch):
     monkeypatch.setattr(replayer, "CudaGraphExecutable", AddressBoundExecutable)
     monkeypatch.setattr(options.JitOptions, "runtime", lambda self, device: options.CUDAGRAPH)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
 
 
 def scaled(cache, x):
@@ -82,3 +81,24 @@ def test_a_call_whose_resident_input_moved_keeps_its_guard_and_measures_the_new_
     with pytest.raises(df.InputError, match="cache and x share memory"):
         fast(new, new)
     torch.testing.assert_close(new, expected, rtol=0, atol=0)
+
+
+class HoldingExecutable(AddressBoundExecutable):
+    """Holds 3 MiB: 1 MiB of bound buffers (a replacement takes them over) and 2 MiB its capture added to
+    its private pool (which goes with it)."""
+
+    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None):
+        super().__init__(plan, device, inputs, resident, static_outputs, memory, previous)
+        self.pool_bytes = 2 << 20
+        self.held_bytes = self.pool_bytes + (0 if previous is not None else 1 << 20)
+
+
+def test_graph_memory_counts_a_replaced_capture_once(address_bound_runtime, monkeypatch):
+    monkeypatch.setattr(replayer, "CudaGraphExecutable", HoldingExecutable)
+    fast = df.jit(scaled, persistent_argnums=(0,), progress=False)
+    x = torch.randn(4, 8)
+    caches = [torch.randn(4, 8) for _ in range(2)]
+    for cache in caches:
+        fast(cache, x)
+    assert fast.cache_info().captures == 2
+    assert fast.cache_info().graph_memory_bytes == 3 << 20

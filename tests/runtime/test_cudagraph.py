@@ -347,3 +347,25 @@ def test_a_capture_after_a_move_reuses_the_plans_memory_and_leaves_out_the_warm_
     torch.testing.assert_close(caches[3], expected[3], rtol=1e-5, atol=1e-5)
     assert len(runs) == 4 + 2                              # another thread warms up first
     assert fast.cache_info().graph_memory_bytes <= memory + (1 << 20)
+
+
+def test_graph_memory_counts_buffers_and_pool_and_not_workspaces_freed_around_the_capture():
+    """cuBLAS workspaces the caller's GEMMs left in the general pool are freed when the capture starts,
+    and torch.cuda.graph empties the allocator's cache of free blocks: neither must be subtracted from
+    the graph's memory (both once were, down to a negative count), and what the capture added to the
+    graph's pool (its own workspace) must be counted."""
+    a = torch.randn(512, 512, device="cuda")
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            a @ a                                          # a workspace per stream, in the general pool
+    del a
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB freed at once: cached, reserved
+    torch.cuda.synchronize()
+    fast = df.jit(lambda w, x: torch.relu(x @ w) @ w, backend="cudagraph", progress=False)
+    w, x = torch.randn(256, 256, device="cuda"), torch.randn(64, 256, device="cuda")
+    before = torch.cuda.memory_reserved()
+    out = fast(w, x)
+    torch.testing.assert_close(out, torch.relu(x @ w) @ w, rtol=1e-4, atol=1e-4)
+    held = fast.cache_info().graph_memory_bytes
+    assert held >= x.nbytes + out.nbytes                   # its static input and output buffers at least
+    assert held <= torch.cuda.memory_allocated() + torch.cuda.memory_reserved() - before
