@@ -134,6 +134,17 @@ def mark_static(*trees: Any) -> None:
             torch._dynamo.mark_static_address(tensor)
 
 
+def compiled_per_shape(fn: Callable[..., Any], shapes: int, mode: str = "reduce-overhead") -> Callable[..., Any]:
+    """torch.compile(fn, mode=mode, dynamic=False) for a caller that calls it at `shapes` distinct input
+    shapes (batch sizes, buckets): a graph for each. Dynamo compiles at most `recompile_limit` (8) graphs
+    of one function and runs it eagerly beyond them, with only a warning in the log: a peer called at
+    11 sizes would run 3 of them uncompiled. The limit is raised to cover every shape."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * shapes)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * shapes)
+    return torch.compile(fn, mode=mode, dynamic=False)
+
+
 def compiled(fn: Callable[..., Any], args: tuple, mode: str | None = "reduce-overhead", static: Sequence[int] = (),
              backend: Any = "inductor") -> Callable[[], Any]:
     """torch.compile(fn, mode or backend) on `args`, warmed up, as a call under no_grad; by default the

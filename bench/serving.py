@@ -26,16 +26,20 @@ and 4045 alone.
 
 `decode-walk`: examples/serve_llama.py's model step (a 4-layer Llama-like model, bf16, decode tokens
 only: a one-token dummy chunk) over a static KV cache, at batch sizes drawn by a seeded random walk
-over 1..256 for 200 steps. Variants:
+over 1..256 for 200 steps (121 distinct sizes). Variants:
 
-  df-buckets     df.jit(step, buckets="serving", ...): 35 plans, one memory pool
+  df-buckets     df.jit(step, buckets="serving", ...): a plan per bucket reached, one memory pool
   df-exact       df.jit(step): a plan per batch size
   compile-ro     torch.compile(step, mode="reduce-overhead", dynamic=False): a graph per batch size
 
-Reported: the first pass over every size 1..256 in seconds (planning, compiling and capturing
-included), steady tokens/s over the walk, CUDA graph captures, the memory the graphs hold (df's own
-count, and torch.cuda.memory_allocated / memory_reserved after minus before, caches emptied), and
-whether the walk's tokens equal eager's.
+A plan per size for 121 sizes costs minutes of compiling per variant, so every variant first plans
+`--walk-sample` sizes spread over the walk's range (WALK_SAMPLE) and is timed on the walk's steps at
+those sizes; then df-buckets plans every size the walk visits and is timed on the whole walk (left
+out with `--walk-sample-only`). Reported: the first pass over the sizes planned (planning,
+compiling and capturing included) and per size, steady tokens/s (repeated to 200 steps), CUDA graph
+captures, the memory the graphs hold (df's own count, and torch.cuda.memory_allocated /
+memory_reserved after minus before, caches emptied), and the fraction of tokens equal to eager's.
+compile-ro's memory over 16 sizes is a lower bound of its memory over all 121.
 
 `serve-llama`: examples/serve_llama.py's loop (its GPU model, fp32: the tokens are checked against
 transformers' generate) with the step under df.jit (decode and prefill attention on two streams, or
@@ -47,13 +51,15 @@ differ from generate()'s.
 Writes bench/results/serving.json (serving-<cases>.json for a subset).
 
     python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
-                            [--generate-variants df "df (one cache)" ...]
+                            [--generate-variants df "df (one cache)" ...] [--rounds 1]
                             [--walk-variants df-buckets df-exact compile-ro] [--walk-largest 256]
+                            [--walk-sample 16] [--walk-sample-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -69,9 +75,10 @@ import torch
 import torch.nn.functional as F
 
 import dynaflow_fn as df
+from dynaflow_fn.compat import clear_cublas_workspaces
 from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BucketTable
 
-from .common import mark_static, print_table, relative_error, release, write_results
+from .common import compiled_per_shape, mark_static, print_table, relative_error, release, write_results
 
 MAX_REL_ERR = 5e-2
 """bf16 logits of a random-weight model through 8-28 layers differ by 1e-2 to 3e-2 between kernel choices
@@ -166,20 +173,27 @@ ONE_CACHE = " (one cache)"
 """The suffix of the variants that pass one_static_cache() to every generate() call."""
 
 
-def run_case(name: str, repeats: int, chosen: Sequence[str] = ()) -> list[dict[str, Any]]:
+def run_case(name: str, repeats: int, chosen: Sequence[str] = (), rounds: int = 1) -> list[dict[str, Any]]:
     """Rows of every generate variant, or of those `chosen` (eager, the reference, always runs). Each
     variant runs in a process of its own, one after the other: what one leaves behind (Dynamo's caches
     of the model's code, cudagraph trees' pool, a heap grown by compiling) would otherwise weigh on the
-    next, as a user runs one of them."""
-    rows, reference = [], None
-    for variant in variants():
-        if chosen and variant not in chosen and variant != "eager":
-            continue
-        row, logits, sequences = _in_own_process(name, variant, repeats)
-        if reference is None:
-            reference = logits, sequences
-        row["first_logits_rel_err"] = relative_error(logits, reference[0])
-        row["tokens_match"] = float((sequences == reference[1]).float().mean())
+    next, as a user runs one of them. With `rounds`, the variants take turns that many times and a
+    row reports the median process (tokens/s of one process moved by up to 18% from one to the next
+    on an H200: the loop is bound by the host's time per step)."""
+    names = [variant for variant in variants() if not chosen or variant in chosen or variant == "eager"]
+    runs: dict[str, list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]] = {variant: [] for variant in names}
+    for turn in range(rounds):
+        for variant in names:
+            if variant != "eager" or turn == 0:                  # eager: the reference, once
+                runs[variant].append(_in_own_process(name, variant, repeats))
+    reference = runs["eager"][0][1:]
+    rows = []
+    for variant, results in runs.items():
+        speeds = [row["tokens_per_s"] for row, _, _ in results]
+        row = sorted(results, key=lambda result: result[0]["tokens_per_s"])[(len(results) - 1) // 2][0]   # the lower median
+        row.update(rounds=len(results), tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds),
+                   first_logits_rel_err=max(relative_error(result[1], reference[0]) for result in results),
+                   tokens_match=min(float((result[2] == reference[1]).float().mean()) for result in results))
         rows.append(row)
     measured = {row["variant"]: row["tokens_per_s"] for row in rows}
     for row in rows:
@@ -243,37 +257,52 @@ def serve_example() -> Any:
 
 
 WALK_VARIANTS = ("df-buckets", "df-exact", "compile-ro")
+WALK_SAMPLE = 16
+"""The walk's sizes the exact-size variants plan. The walk visits 121 sizes, and on an H200 df.jit took
+8 to 9 s to plan each bucket (most of it Inductor compiling that size's kernels): planning every size
+would take a variant over 15 minutes. So they plan this many sizes spread over the walk's range, and
+every variant is timed on the walk's steps at those sizes."""
 
 
-def walk_variant(name: str, serve: Any, model: torch.nn.Module, cache: Any) -> Callable[..., Any]:
+def spread(sizes: Sequence[int], count: int) -> list[int]:
+    """`count` of the sorted `sizes`, evenly spaced, the smallest and the largest included."""
+    if count >= len(sizes):
+        return list(sizes)
+    return [sizes[round(k * (len(sizes) - 1) / (count - 1))] for k in range(count)]
+
+
+def walk_variant(name: str, serve: Any, model: torch.nn.Module, cache: Any, sizes: int) -> Callable[..., Any]:
+    """The decode step under `name`, to be called at `sizes` batch sizes."""
     def step(keys, values, decode, chunk):
         return serve.model_step(model, keys, values, decode, chunk)
 
     if name == "df-buckets":
         padded = {"tokens": 0, "positions": 0, "slots": cache.dummy}
         return df.jit(step, buckets="serving", in_axes=(None, None, 0, None), out_axes=(0, None),
-                      pad_value=(None, None, padded, None), progress=False)
+                      pad_value=(None, None, padded, None))
     if name == "df-exact":
-        return df.jit(step, progress=False)
-    return torch.compile(step, mode="reduce-overhead", dynamic=False)
+        return df.jit(step)
+    return compiled_per_shape(step, sizes)
 
 
 def held_memory_mb() -> tuple[float, float]:
-    """CUDA memory allocated and reserved (MiB), after emptying the caching allocator's free blocks."""
+    """CUDA memory allocated and reserved (MiB), after emptying the caching allocator's free blocks and
+    cuBLAS's workspaces (which a CUDA graph's capture frees: a count across one would go down by them)."""
+    clear_cublas_workspaces()
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
 
 
-def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGEST) -> list[dict[str, Any]]:
-    """The decode walk over batch sizes 1..largest for the given variants. The exact-size variants
-    build a plan (a graph) per size, each compiled by Inductor: over 256 sizes that is minutes per
-    variant, so each can be run on its own (`--walk-variants`), or over a smaller range."""
+def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGEST, sample: int = WALK_SAMPLE,
+             whole: bool = True) -> list[dict[str, Any]]:
+    """The decode walk over batch sizes 1..largest. Every variant plans `sample` of the sizes the walk
+    visits and is timed on the walk's steps at them, in the walk's order (see WALK_SAMPLE); then, if
+    `whole`, df-buckets plans every size the walk visits and is timed on the whole walk."""
     serve = serve_example()
     case = (f"decode walk: {WALK_MODEL['num_hidden_layers']} Llama-like layers bf16, batch 1..{largest} "
             f"over {WALK_STEPS} steps, {WALK_POSITION} cached tokens")
-    torch._dynamo.config.recompile_limit = 4 * largest      # compile-ro compiles a graph per size
     max_len = WALK_POSITION + 8
     model = serve.build_model(WALK_MODEL, max_len, "cuda", torch.bfloat16)
     cache = serve.KVCache(model.config, largest, max_len, "cuda", torch.bfloat16)
@@ -284,39 +313,69 @@ def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGES
                      "positions": torch.full((rows,), WALK_POSITION, device="cuda"),
                      "slots": torch.arange(rows, device="cuda")} for rows in range(1, largest + 1)}
     walk = batch_walk(WALK_STEPS, largest)
+    visited = sorted(set(walk))
+    picked = spread(visited, sample)
+    stages = [(f"the walk's steps at {len(picked)} of its {len(visited)} sizes", picked,
+               [rows for rows in walk if rows in set(picked)])]
+    if whole:
+        stages.append((f"whole walk ({len(visited)} sizes)", visited, walk))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*has been traced for")   # df-exact: a plan per size, as asked
-        expected = {rows: serve.model_step(model, cache.keys, cache.values, inputs[rows], chunk)[0]
-                    for rows in set(walk)}
+        expected = {rows: serve.model_step(model, cache.keys, cache.values, inputs[rows], chunk)[0] for rows in visited}
+
+        def call(step, rows):
+            return step(cache.keys, cache.values, inputs[rows], chunk)[0].clone()   # cudagraph trees overwrite it
+
         rows_out = []
         for variant in variants:
-            step = walk_variant(variant, serve, model, cache)
-            before = held_memory_mb()
-            start = time.perf_counter()
-            for rows in range(1, largest + 1):
-                step(cache.keys, cache.values, inputs[rows], chunk)
-            torch.cuda.synchronize()
-            first_pass = time.perf_counter() - start
-            for rows in sorted(set(walk)) * 2:      # cudagraph trees record a size's graph on its third call
-                step(cache.keys, cache.values, inputs[rows], chunk)
-            start, same = time.perf_counter(), []
-            for rows in walk:                       # cloned: cudagraph trees overwrite their outputs
-                same.append(step(cache.keys, cache.values, inputs[rows], chunk)[0].clone())
-            torch.cuda.synchronize()
-            steady = time.perf_counter() - start
-            match = statistics.mean(float((got == expected[rows]).float().mean()) for got, rows in zip(same, walk))
-            del same
-            after = held_memory_mb()
-            info = step.cache_info() if isinstance(step, df.Jitted) else None
-            rows_out.append({"case": case, "variant": variant, "tokens_per_s": sum(walk) / steady,
-                             "first_pass_s": first_pass, "captures": info.captures if info else None,
-                             "graph_mb": info.graph_memory_bytes / 2**20 if info else None,
-                             "allocated_mb": after[0] - before[0], "reserved_mb": after[1] - before[1],
-                             "padding_waste": info.padding_waste if info else None, "tokens_match": match})
-            print(f"{variant}: {info if info else ''}", flush=True)
+            step = walk_variant(variant, serve, model, cache, len(visited))
+            before, planned, first_pass = held_memory_mb(), [], 0.0
+            for label, sizes, steps in stages if variant == "df-buckets" else stages[:1]:
+                new = [rows for rows in sizes if rows not in set(planned)]
+                start = time.perf_counter()
+                for rows in new:
+                    call(step, rows)
+                torch.cuda.synchronize()
+                first_pass += time.perf_counter() - start
+                planned += new
+                for rows in new * 2:                 # cudagraph trees record a size's graph on its third call
+                    call(step, rows)
+                tokens_per_s, match = timed_walk(functools.partial(call, step), steps, expected)
+                after = held_memory_mb()
+                info = step.cache_info() if isinstance(step, df.Jitted) else None
+                rows_out.append({"case": f"{case}: {label}", "variant": variant, "tokens_per_s": tokens_per_s,
+                                 "sizes_planned": len(planned), "first_pass_s": first_pass,
+                                 "first_pass_per_size_s": first_pass / len(planned),
+                                 "captures": info.captures if info else None,
+                                 "graph_mb": info.graph_memory_bytes / 2**20 if info else None,
+                                 "allocated_mb": after[0] - before[0], "reserved_mb": after[1] - before[1],
+                                 "padding_waste": info.padding_waste if info else None, "tokens_match": match})
+                print(f"{variant}, {label}: {info if info else ''}", flush=True)
             del step
             release()
-    return rows_out
+    return with_ratio(rows_out, "compile-ro", "vs_compile_ro")
+
+
+def timed_walk(call: Callable[[int], torch.Tensor], steps: Sequence[int], expected: dict[int, torch.Tensor],
+               least_steps: int = 200) -> tuple[float, float]:
+    """Tokens/s over `steps` (repeated to at least `least_steps`), and the fraction of tokens equal to
+    `expected` (eager's) on the first repeat."""
+    repeats = -(-least_steps // len(steps))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = [call(rows) for _ in range(repeats) for rows in steps]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    match = statistics.mean(float((got == expected[rows]).float().mean()) for got, rows in zip(outputs, steps))
+    return repeats * sum(steps) / seconds, match
+
+
+def with_ratio(rows: list[dict[str, Any]], peer: str, column: str) -> list[dict[str, Any]]:
+    """Each row with its tokens/s over the `peer` variant's row of the same case (None without one)."""
+    measured = {row["case"]: row["tokens_per_s"] for row in rows if row["variant"] == peer}
+    for row in rows:
+        row[column] = row["tokens_per_s"] / measured[row["case"]] if row["case"] in measured else None
+    return rows
 
 
 # --- serve-llama: examples/serve_llama.py's continuous-batching loop ---------------------------------
@@ -332,7 +391,7 @@ class PaddedCompiledStep:
 
         self.table = BucketTable(sorted({b for b in SERVING_BUCKETS if b < slots} | {slots}))
         self.dummy = cache.dummy
-        self.compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
+        self.compiled = compiled_per_shape(step, len(self.table.sizes))
         mark_static(cache.keys, cache.values)
 
     def __call__(self, keys: list, values: list, decode: dict, chunk: dict) -> Any:
@@ -373,10 +432,7 @@ def run_serve() -> list[dict[str, Any]]:
                      "mismatched": len(serve.check_against_generate(model, requests, 3))})
         del model, cache, step
         release()
-    peer = next(row["tokens_per_s"] for row in rows if row["variant"] == "compile-ro")
-    for row in rows:
-        row["vs_compile_ro"] = row["tokens_per_s"] / peer
-    return rows
+    return with_ratio(rows, "compile-ro", "vs_compile_ro")
 
 
 CASES = (*CONFIGS, DECODE_WALK, SERVE_LLAMA)
@@ -386,11 +442,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="generate cases: every variant runs in this many processes, taking turns; the median is reported")
     parser.add_argument("--generate-variants", nargs="*", choices=list(variants()), default=[],
                         help="only these generate variants (and eager, the reference); all by default")
     parser.add_argument("--walk-variants", nargs="*", choices=WALK_VARIANTS, default=list(WALK_VARIANTS),
                         help="decode-walk's variants (each exact-size one compiles a graph per size: minutes)")
     parser.add_argument("--walk-largest", type=int, default=WALK_LARGEST, help="decode-walk's largest batch")
+    parser.add_argument("--walk-sample", type=int, default=WALK_SAMPLE,
+                        help="how many of the walk's sizes the exact-size variants plan (WALK_SAMPLE)")
+    parser.add_argument("--walk-sample-only", action="store_true",
+                        help="df-buckets too plans only those sizes (no whole-walk row)")
     parser.add_argument("--one-generate", nargs=3, metavar=("CASE", "VARIANT", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_generate:
@@ -400,27 +462,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench.serving needs a CUDA device; skipped {', '.join(args.cases)}")
         return
     generate_rows = [row for name in args.cases if name in CONFIGS
-                     for row in run_case(name, args.repeats, args.generate_variants)]
-    walk_rows = run_walk(args.walk_variants, args.walk_largest) if DECODE_WALK in args.cases else []
+                     for row in run_case(name, args.repeats, args.generate_variants, args.rounds)]
+    walk_rows = run_walk(args.walk_variants, args.walk_largest, args.walk_sample, not args.walk_sample_only) if DECODE_WALK in args.cases else []
     serve_rows = run_serve() if SERVE_LLAMA in args.cases else []
     if generate_rows:
-        print_table(generate_rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "first_generate_s",
+        print_table(generate_rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "tokens_per_s_min",
+                                    "tokens_per_s_max", "rounds", "first_generate_s",
                                     "captures", "graphs", "first_logits_rel_err", "tokens_match"],
                     title="transformers generate(), static cache")
     if walk_rows:
-        print_table(walk_rows, ["variant", "tokens_per_s", "first_pass_s", "captures", "graph_mb", "allocated_mb",
-                                "reserved_mb", "padding_waste", "tokens_match"], title=walk_rows[0]["case"])
+        print_table(walk_rows, ["case", "variant", "tokens_per_s", "vs_compile_ro", "sizes_planned", "first_pass_s",
+                                "first_pass_per_size_s", "captures", "graph_mb", "allocated_mb", "reserved_mb",
+                                "padding_waste", "tokens_match"], title="decode walk")
     if serve_rows:
         print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
                                  "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
     subset = ["some-variants"] if args.generate_variants else []
     subset += [] if args.walk_variants == list(WALK_VARIANTS) else args.walk_variants
     subset += [] if args.walk_largest == WALK_LARGEST else [f"upto{args.walk_largest}"]
+    subset += [] if args.walk_sample == WALK_SAMPLE else [f"sample{args.walk_sample}"]
+    subset += ["sample-only"] if args.walk_sample_only else []
     whole = args.cases == list(CASES) and not subset
     name = "serving" if whole else f"serving-{'-'.join(args.cases + subset)}"
     path = write_results(name, generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
                          new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR, walk_steps=WALK_STEPS,
-                         walk_largest=args.walk_largest)
+                         walk_largest=args.walk_largest, walk_sample=args.walk_sample)
     print(f"wrote {path}")
     wrong = [f"{row['case']} {row['variant']}: {row['first_logits_rel_err']:.3g}"
              for row in generate_rows if not row["logits_ok"]]

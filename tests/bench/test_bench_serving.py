@@ -29,3 +29,11 @@ def test_every_case_is_selectable_and_skipped_without_a_gpu(serving, monkeypatch
     assert "skipped decode-walk, serve-llama, llama" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         serving.main(["--cases", "no-such-case"])
+
+
+def test_the_exact_size_variants_plan_sizes_spread_over_the_walk(serving):
+    visited = sorted(set(serving.batch_walk(serving.WALK_STEPS, serving.WALK_LARGEST)))
+    picked = serving.spread(visited, serving.WALK_SAMPLE)
+    assert len(set(picked)) == serving.WALK_SAMPLE and set(picked) <= set(visited)
+    assert picked == sorted(picked) and picked[0] == visited[0] and picked[-1] == visited[-1]
+    assert serving.spread(visited[:5], 16) == visited[:5]
