@@ -4,7 +4,8 @@
 * an op with a faithful `out=` overload becomes a KERNEL step writing into a planned arena buffer;
 * an op without one becomes an ALLOC step, and the Plan says why;
 * work that depends on no input (masks, position ids, rotary tables) moves to `setup`, computed once;
-* the `copy_` that functionalization leaves for a mutated input becomes a COPY step (a write-back);
+* the `copy_` that functionalization leaves for a mutated input becomes a COPY step (a write-back),
+  unless the updates it copies back ran inplace, leaving the value where it goes already;
 * a node that reinplace chose runs as its inplace variant, writing the arguments it mutates.
 
 Which tensors share memory comes from the fake tensors of the trace: two values with the same fake
@@ -22,7 +23,7 @@ from torch import fx
 
 from ..errors import InternalError, TransformError
 from ..ir import ops
-from ..ir.analyses import setup_nodes
+from ..ir.analyses import is_write_back, setup_nodes
 from ..ir.formatting import op_name
 from ..ir.program import info
 from ..plan.plan import Layout, Ref, Step, StepKind, StorageKind
@@ -40,10 +41,22 @@ def emit_steps(draft: PlanDraft) -> bool:
         if node.target is operator.getitem:
             _forward_getitem(draft, node)
             continue
+        if is_write_back(node) and _writes_back_in_place(draft, node):
+            continue
         at_setup = node in setup
         step = _step_for(draft, node, at_setup)
         (draft.setup if at_setup else draft.steps).append(step)
     return bool(draft.setup or draft.steps)
+
+
+def _writes_back_in_place(draft: PlanDraft, node: fx.Node) -> bool:
+    """Whether the write-back `node` would copy its input onto itself: the updates it copies back ran
+    inplace (reinplace), so the new value is already where it goes. No step then."""
+    dst, src = (draft.slot_of.get((arg, 0)) for arg in node.args[:2])
+    if dst is None or src != dst:
+        return False
+    draft.slot_of[(node, 0)] = dst
+    return True
 
 
 def _forward_getitem(draft: PlanDraft, node: fx.Node) -> None:

@@ -5,13 +5,20 @@ A training step that donates its parameters and optimizer state ends with chains
 into the donated `params`. Running those ops inplace (`_foreach_mul_(params, c)`, then
 `_foreach_sub_`) leaves the result already in `params`: no copy, no intermediate buffers.
 
+A step that updates a KV cache, `keys[slots] = k`, is traced as `new = index_put(keys, ...)` and a
+write-back `copy_(keys, new)`: run as traced, every call copies the whole cache twice. Running
+`index_put_(keys, ...)` instead updates the cache where it lives, and the write-back, which then
+copies the input onto itself, is left out (emit steps).
+
 An op `b = f(a, ...)` runs as `f_(a, ...)` when `f_` exists, `b` has `a`'s shape, strides and dtype,
 (for ops that mutate several arguments, such as `_fused_adamw_`, this holds for each of them)
-and the old value of `a` is dead: nothing reads `a` or a view of it later in the issue order, it is not
-returned, it is no program constant, and if it is a program input it is a donated one (its value is
-replaced anyway). A `cat` counts as an alias of its parts, since lowering may place each part in the
-`cat`'s output. Only ops that would otherwise allocate their result, or whose first argument is a
-donated input, are rewritten; `out=` kernels already write into planned memory.
+and the old value of `a` is dead: nothing reads `a` or a view of it later in the issue order (the
+write-back's `copy_` into `a` writes it, reading nothing of it), it is not returned, it is no program
+constant, and if it is a program input its value is replaced anyway: it is donated, or `f` is one of
+the updates the input's write-back copies back (`analyses.written_back_updates`). A `cat` counts as an
+alias of its parts, since lowering may place each part in the `cat`'s output. Only ops that would
+otherwise allocate their result, or whose first argument is a replaced input, are rewritten; `out=`
+kernels already write into planned memory.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import fx
 
 from ..compat import StorageWeakRef, has_internal_overlap
 from ..ir import ops
+from ..ir.analyses import is_write_back, written_back_updates
 from ..ir.tree import TensorSpec
 from ..plan.plan import Layout
 from .draft import PlanDraft
@@ -69,13 +77,17 @@ def reinplace(draft: PlanDraft) -> bool:
     program = draft.program
     placeholders = program.placeholders()
     donated = {placeholders[i] for i in draft.donate.values()}
-    draft.inplace = plan_inplace(draft.issue_order, list(program.output_node().args[0]), donated, allocates)
+    draft.inplace = plan_inplace(draft.issue_order, list(program.output_node().args[0]), donated, allocates,
+                                 written_back_updates(program))
     return bool(draft.inplace)
 
 
 def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: set[fx.Node],
-                 allocates: Callable[[fx.Node], bool]) -> set[fx.Node]:
-    """The nodes to run inplace, given the issue order, the returned nodes and the donated inputs."""
+                 allocates: Callable[[fx.Node], bool], updates: dict[fx.Node, fx.Node] | None = None
+                 ) -> set[fx.Node]:
+    """The nodes to run inplace, given the issue order, the returned nodes, the donated inputs and the
+    updates of mutated inputs (each mapped to the input its write-back replaces)."""
+    updates = updates or {}
     aliases = _Aliases()
     for node in order:
         if node.target is torch.ops.aten.cat.default:
@@ -93,6 +105,8 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
     last_read: dict[fx.Node, int] = {}
     for node in order:
         for source in node.all_input_nodes:
+            if is_write_back(node) and source is node.args[0]:
+                continue                         # written whole, not read
             root = aliases.root(source)
             last_read[root] = max(last_read.get(root, -1), position[node])
     returned = {aliases.root(node) for node in outputs}
@@ -105,11 +119,12 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
         if not selves or len(selves) != len(values) or not all(isinstance(s, fx.Node) for s in selves):
             continue
         roots = [aliases.root(s) for s in selves]
-        if not (allocates(node) or any(r in donated for r in roots)):
+        replaced = donated | ({updates[node]} if node in updates else set())
+        if not (allocates(node) or any(r in replaced for r in roots)):
             continue
         others = {aliases.root(a) for a in node.all_input_nodes if a not in selves}
         if len(set(selves)) == len(selves) and _disjoint(selves, roots) and all(
-                _dead_after(node, s, r, v, position, last_read, returned, donated, others)
+                _dead_after(node, s, r, v, position, last_read, returned, replaced, others)
                 for s, r, v in zip(selves, roots, values)):
             chosen.add(node)
             _merge_results(node, roots, aliases, last_read, returned)
@@ -132,8 +147,9 @@ def _disjoint(selves: list[fx.Node], roots: list[fx.Node]) -> bool:
 
 
 def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object, position: dict,
-                last_read: dict, returned: set, donated: set, others: set) -> bool:
-    """Whether `self_node`'s memory may take `node`'s result: its old value is never needed again."""
+                last_read: dict, returned: set, replaced: set, others: set) -> bool:
+    """Whether `self_node`'s memory may take `node`'s result: its old value is never needed again, and
+    if it is an input's, that input's value is `replaced` anyway."""
     old = self_node.meta.get("val")
     if not isinstance(old, torch.Tensor) or not isinstance(result, torch.Tensor):
         return False
@@ -141,7 +157,7 @@ def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object
         return False
     if has_internal_overlap(old):
         return False
-    if root.op == "get_attr" or (root.op == "placeholder" and root not in donated):
+    if root.op == "get_attr" or (root.op == "placeholder" and root not in replaced):
         return False
     return root not in returned and root not in others and last_read.get(root, -1) <= position[node]
 

@@ -13,7 +13,9 @@ What stays aten:
 * random ops (Inductor draws different numbers than eager);
 * multi-tensor optimizer updates (`_foreach_*`, `_fused_adamw`), which lowering runs inplace on
   donated parameters and state;
-* the write-back of a mutated input (a `copy_` into an argument);
+* the write-back of a mutated input (a `copy_` into an argument), and the updates it copies back
+  (`keys[slots] = k`: lowering runs them inplace on the input, where a compiled run would write a
+  new copy of the whole input, copied back after);
 * work that depends on no input (lowering computes it once, at setup);
 * stages tagged "no-inductor" by a partition rule (`T.Region("attn", tags={"no-inductor"})`);
 * a run Inductor fails to compile, with a warning naming it.
@@ -33,7 +35,7 @@ from torch import fx
 from ..compat import OpOverload, compile_with_inductor, outside_current_trace
 from ..errors import warn
 from ..ir import ops
-from ..ir.analyses import setup_nodes
+from ..ir.analyses import setup_nodes, written_back_updates
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
 from ..ir.progress import progress_bar
@@ -121,7 +123,7 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
 
     Reshapes of outside values that only one run reads then join that run (`_with_private_reshapes`).
     """
-    setup = setup_nodes(program)
+    left_aten = setup_nodes(program) | set(written_back_updates(program))
     runs: list[list[fx.Node]] = []
     run_of: dict[fx.Node, int] = {}
     open_key: Any = None
@@ -137,7 +139,7 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
         if ops.is_view(node.target) and not (
                 open_key == key and any(run_of.get(dep) == len(runs) - 1 for dep in node.all_input_nodes)):
             continue
-        if not _compilable(node, setup):
+        if not _compilable(node, left_aten):
             open_key = None
             continue
         if open_key != key:
@@ -175,10 +177,10 @@ def _with_private_reshapes(runs: list[list[fx.Node]], program: Program) -> list[
     return extended
 
 
-def _compilable(node: fx.Node, setup: set[fx.Node]) -> bool:
+def _compilable(node: fx.Node, left_aten: set[fx.Node]) -> bool:
     op = node.target
     return (isinstance(op, OpOverload) and ops.is_pure(op) and not _returns_tensor_lists(op)
-            and node not in setup and NO_INDUCTOR not in info(node).tags)
+            and node not in left_aten and NO_INDUCTOR not in info(node).tags)
 
 
 def _returns_tensor_lists(op: OpOverload) -> bool:

@@ -1,6 +1,6 @@
 """lowering/reinplace.py: an op runs inplace on an argument only when nothing later reads that
-argument's old value (nor a view of it), it is not returned, and an input is donated; plans that do
-so compute what eager PyTorch computes."""
+argument's old value (nor a view of it), it is not returned, and an input is donated or the op is an
+update its write-back copies into it (a KV cache); plans that do so compute what eager PyTorch computes."""
 
 import operator
 
@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 import dynaflow_fn as df
 from dynaflow_fn.ir import ops
+from dynaflow_fn.ir.analyses import is_write_back, written_back_updates
 from dynaflow_fn.ir.ops import inplace_variant
 from dynaflow_fn.plan.plan import StepKind
-from fixtures import RandomScheduler, build, example_inputs, recipes, scheduled
+from dynaflow_fn import transforms as T
+from fixtures import EachNode, RandomScheduler, build, example_inputs, recipes, scheduled
 
 
 def _readers(node):
@@ -33,21 +35,24 @@ def _inplace_steps(plan):
 
 def _assert_old_values_are_dead(program, plan, donated=()):
     """Every argument an inplace step overwrites is read by no step after it, is not returned and,
-    if it is an input, is a donated one."""
+    if it is an input, is a donated one or one the step's result is written back into."""
     position = {step.node: step.index for step in plan.steps if step.node}
     nodes = {node.name: node for node in program.graph.nodes}
     donated_names = {program.placeholders()[i].name for i in donated}
+    updates = written_back_updates(program)
     for step in _inplace_steps(plan):
         node = nodes[step.node]
         written = optree.tree_leaves(node.args[:1])
         for argument in written:
             assert argument.op != "get_attr"
             if argument.op == "placeholder":
-                assert argument.name in donated_names, (step.node, argument.name)
+                assert argument.name in donated_names or updates.get(node) is argument, (step.node, argument.name)
             for reader in _readers(argument):
                 assert reader.op != "output", (step.node, argument.name)
                 if reader is node or ops.is_view(reader.target) or reader.target is operator.getitem:
                     continue
+                if is_write_back(reader) and reader.args[0] is argument:
+                    continue                        # writes the argument whole, reads none of it
                 assert position[reader.name] < step.index, (step.node, argument.name, reader.name)
 
 
@@ -116,6 +121,72 @@ def test_dead_intermediates_are_reinplaced_and_inputs_not_donated_never_overwrit
     _assert_old_values_are_dead(fast.trace(p, g), plan)
     torch.testing.assert_close(fast(p, g), update(*(t.clone() for t in before)))
     assert torch.equal(p, before[0]) and torch.equal(g, before[1])
+
+
+def _cache_step(cache, slots, new, w):
+    """A decode step's KV-cache use: this step's rows written first, then the cache read."""
+    cache[slots] = torch.tanh(new @ w)
+    return cache[slots].sum(-1) * 2, cache.sum(0)
+
+
+def _cache_inputs():
+    return torch.randn(9, 16), torch.tensor([5, 1, 7]), torch.randn(3, 16), torch.randn(16, 16)
+
+
+def _check_cache_step(fn, backend, **options):
+    """df.jit(fn) on fresh inputs against eager, the caller's cache updated alike; returns the plan."""
+    cache, slots, new, w = _cache_inputs()
+    fast = df.jit(fn, backend=backend, progress=False, **options)
+    expected_cache = cache.clone()
+    expected = fn(expected_cache, slots, new, w)
+    got = fast(cache, slots, new, w)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, expected_cache, rtol=1e-5, atol=1e-5)
+    plan = df.verify(fast.lower(cache, slots, new, w))
+    _assert_old_values_are_dead(fast.trace(cache, slots, new, w), plan)
+    return plan
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_cache_update_runs_inplace_and_its_write_back_copies_nothing(backend):
+    """`cache[slots] = x` is traced as `index_put(cache, ...)` and a write-back `copy_(cache, ...)`: as
+    traced, a call would copy the whole cache twice. The update runs inplace instead, on the cache
+    itself (an aten step under Inductor too), and no step copies the cache back."""
+    plan = _check_cache_step(_cache_step, backend)
+    reinplaced = _inplace_steps(plan)
+    assert [step.op for step in reinplaced if step.op is torch.ops.aten.index_put_.default] == [
+        torch.ops.aten.index_put_.default]
+    assert plan.written_inputs() == [0]
+    assert not [step for step in plan.copy_steps() if step.outputs == (plan.input_slots[0],)]
+
+
+@pytest.mark.parametrize("strategy", ["roundrobin", "tbo"])
+def test_micro_batches_updating_one_cache_equal_eager(strategy):
+    """Each micro-batch writes its rows of the shared cache and reads them back, on two streams."""
+    fn = T.overlap(T.microbatch(_cache_step, num=2, in_axes=(None, 0, 0, None), out_axes=(0, None)),
+                   strategy=strategy)
+    plan = _check_cache_step(fn, "eager")
+    assert len(plan.streams) == 2 and plan.written_inputs() == [0]
+
+
+def _read_old_and_new(cache, slots, new, w):
+    old_total = cache.sum(0)                    # the old value, read wherever the schedule puts it
+    cache[slots] = new @ w
+    return old_total, cache[slots] * 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_cache_whose_old_value_is_read_later_is_not_updated_inplace_before_that(seed):
+    """Random issue orders on two streams: the old value's sum comes before the update in some and after
+    it in others (seeds 7, 9, 11). Either way the plan computes eager's values, and it updates the cache
+    inplace exactly when the sum is issued first."""
+    fn = T.overlap(T.partition(_read_old_and_new, rules=[EachNode()]), strategy=RandomScheduler(seed, 2))
+    plan = _check_cache_step(fn, "eager")
+    issued = [str(step.op) for step in plan.steps]
+    summed_first = next(i for i, op in enumerate(issued) if "aten.sum" in op) < next(
+        i for i, op in enumerate(issued) if "aten.index_put" in op)
+    assert bool(_inplace_steps(plan)) == summed_first
+    assert bool(plan.copy_steps()) == (not summed_first)
 
 
 def test_inplace_variants_mirror_the_functional_schema():

@@ -1,6 +1,7 @@
 """runtime/interpreter.py and runtime/eager.py: a bound plan, interpreted step by step, computes what
 eager PyTorch computes; outputs are fresh on every call; setup work runs once at binding."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -55,15 +56,19 @@ def test_outputs_are_fresh_tensors_on_every_call():
     torch.testing.assert_close(second, fn(params, y))
 
 
-def test_input_mutations_are_written_back_to_the_callers_tensor():
+@pytest.mark.parametrize("mutation", ["whole", "slice"])
+def test_input_mutations_are_written_back_to_the_callers_tensor(mutation):
+    """`x.mul_(2)` runs inplace on the caller's tensor; `x[1:].mul_(2)`, traced as a new `x` made by
+    `slice_scatter`, is copied back into it."""
     def fn(x, y):
-        x.mul_(2)
+        (x if mutation == "whole" else x[1:]).mul_(2)
         return x + y
 
     plan, executable = _executable(fn, torch.randn(5), torch.randn(5))
-    assert plan.copy_steps()
+    assert plan.written_inputs() == [0] and bool(plan.copy_steps()) == (mutation == "slice")
     x, y = torch.randn(5), torch.randn(5)
-    expected_x = x * 2
+    expected_x = x.clone()
+    (expected_x if mutation == "whole" else expected_x[1:]).mul_(2)
     out = executable(flat_tensors(x, y))[0]
     torch.testing.assert_close(x, expected_x)
     torch.testing.assert_close(out, expected_x + y)
