@@ -44,9 +44,10 @@ compile-ro's memory over 16 sizes is a lower bound of its memory over all 121.
 `serve-llama`: examples/serve_llama.py's loop (its GPU model, fp32: the tokens are checked against
 transformers' generate) with the step under df.jit (decode and prefill attention on two streams, or
 one), against the same loop with the step under torch.compile(mode="reduce-overhead", dynamic=False)
-and its decode batch padded by hand to the same buckets. Reported: tokens/s of a second run over new
-requests (the first run plans and compiles), the first run's seconds, and requests whose tokens
-differ from generate()'s.
+and its decode batch padded by hand to the same buckets (PaddedCompiledStep). Reported: tokens/s of a
+second run over new requests, after every variant has planned every bucket (the first run plans and
+compiles what it meets, and a pass over all buckets the rest), the first run's seconds, and requests
+whose tokens differ from generate()'s.
 
 Writes bench/results/serving.json (serving-<cases>.json for a subset).
 
@@ -76,7 +77,7 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from dynaflow_fn.compat import clear_cublas_workspaces
-from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BucketTable
+from dynaflow_fn.jitting.buckets import BucketTable
 
 from .common import compiled_per_shape, mark_static, print_table, relative_error, release, write_results
 
@@ -383,13 +384,16 @@ def with_ratio(rows: list[dict[str, Any]], peer: str, column: str) -> list[dict[
 
 class PaddedCompiledStep:
     """The loop's step under torch.compile(mode="reduce-overhead", dynamic=False), its decode batch padded
-    by hand to the buckets df.jit uses, with the same pad values: one graph per bucket."""
+    by hand to the buckets df.jit uses, with the same pad values: one graph per bucket. As torch's CUDA
+    graph docs ask of a loop, each step begins with `torch.compiler.cudagraph_mark_step_begin()` and its
+    outputs are cloned: the loop keeps a step's tokens while it runs the next, and cudagraph trees would
+    otherwise record a new graph for each pair of buckets that follow one another."""
 
     def __init__(self, serve: Any, model: torch.nn.Module, cache: Any, slots: int):
         def step(keys, values, decode, chunk):
             return serve.model_step(model, keys, values, decode, chunk)
 
-        self.table = BucketTable(sorted({b for b in SERVING_BUCKETS if b < slots} | {slots}))
+        self.table = BucketTable(serve.decode_buckets(slots))
         self.dummy = cache.dummy
         self.compiled = compiled_per_shape(step, len(self.table.sizes))
         mark_static(cache.keys, cache.values)
@@ -399,8 +403,22 @@ class PaddedCompiledStep:
         extra = self.table.bucket(rows) - rows
         padded = {name: F.pad(tensor, (0, extra), value=self.dummy if name == "slots" else 0)
                   for name, tensor in decode.items()}
+        torch.compiler.cudagraph_mark_step_begin()
         tokens, chunk_token = self.compiled(keys, values, padded, chunk)
-        return tokens[:rows], chunk_token
+        return tokens[:rows].clone(), chunk_token.clone()
+
+
+def plan_every_bucket(serve: Any, step: Callable[..., Any], cache: Any, slots: int, chunk: int) -> None:
+    """Call `step` three times at every decode bucket (rows that write only the dummy slot), so that no
+    variant plans, compiles or records a graph while it is timed (cudagraph trees record on the third
+    call of a size)."""
+    dummy_chunk = serve.chunk_inputs(None, chunk, cache.dummy, "cuda")
+    for rows in serve.decode_buckets(slots) * 3:
+        decode = {"tokens": torch.zeros(rows, dtype=torch.long, device="cuda"),
+                  "positions": torch.zeros(rows, dtype=torch.long, device="cuda"),
+                  "slots": torch.full((rows,), cache.dummy, dtype=torch.long, device="cuda")}
+        step(cache.keys, cache.values, decode, dummy_chunk)
+    torch.cuda.synchronize()
 
 
 def run_serve() -> list[dict[str, Any]]:
@@ -422,6 +440,8 @@ def run_serve() -> list[dict[str, Any]]:
             requests = serve.make_requests(setup["requests"], setup["prompt"], setup["new_tokens"],
                                            setup["model"]["vocab_size"], seed)
             with torch.no_grad():
+                if seed:
+                    plan_every_bucket(serve, step, cache, setup["slots"], setup["chunk"])
                 runs.append(serve.serve(requests, step, cache, setup["slots"], setup["chunk"], "cuda", progress=False))
         info = step.cache_info() if isinstance(step, df.Jitted) else None
         rows.append({"case": case, "variant": variant, "tokens_per_s": runs[1]["tokens_per_s"],

@@ -176,6 +176,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
+def decode_buckets(slots: int) -> tuple[int, ...]:
+    """The decode batch sizes planned: df's serving buckets below `slots`, and `slots`."""
+    return tuple(sorted({b for b in SERVING_BUCKETS if b < slots} | {slots}))
+
+
 def jitted_step(model: Any, cache: KVCache, slots: int, overlap: str) -> Callable[..., Any]:
     """`model_step` under df.jit, its decode batch padded to buckets up to `slots`."""
     def step(keys, values, decode, chunk):
@@ -184,9 +189,8 @@ def jitted_step(model: Any, cache: KVCache, slots: int, overlap: str) -> Callabl
     if overlap == "branches":
         step = T.overlap(T.partition(step, rules=[T.Region("decode_attn"), T.Region("prefill_attn")]),
                          strategy="branches")
-    buckets = tuple(sorted({b for b in SERVING_BUCKETS if b < slots} | {slots}))
     padded = {"tokens": 0, "positions": 0, "slots": cache.dummy}     # harmless rows: the dummy slot
-    return df.jit(step, buckets=buckets, in_axes=(None, None, 0, None), out_axes=(0, None),
+    return df.jit(step, buckets=decode_buckets(slots), in_axes=(None, None, 0, None), out_axes=(0, None),
                   pad_value=(None, None, padded, None))
 
 
