@@ -79,6 +79,21 @@ def test_generate_with_a_static_cache_gives_eagers_tokens_and_traces_each_graph_
     assert len(recorded.state[decode]) >= 4            # the KV cache of both layers is among them
 
 
+def test_generate_updates_the_static_cache_inplace_with_no_write_back_copies():
+    """transformers' StaticCache writes each step's keys and values with `index_copy_`. The decode graph's
+    plan runs those updates on the cache itself: a write-back copy would copy the whole cache per step."""
+    model = _static_cache_llama()
+    ids = torch.randint(0, 128, (2, 7))
+    expected = _generate(model, ids, 4)
+    backend = df.compile_backend(progress=False)
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=False)
+    assert torch.equal(_generate(model, ids, 4), expected)
+    decode = [graph.plans()[0] for graph in backend.graphs if graph.cache_info().hits][-1]
+    updates = [step for step in decode.steps if step.op is torch.ops.aten.index_copy_.default]
+    assert len(updates) == 4 and all(step.note == "reinplaced" for step in updates)     # keys, values x 2 layers
+    assert len(decode.written_inputs()) >= 4 and not decode.copy_steps()
+
+
 def test_generate_with_a_reused_static_cache_keeps_every_resident_input_in_place(monkeypatch):
     """A StaticCache passed to generate() and reset between calls keeps its tensors (reset zeroes them in
     place), so no graph sees a resident input move over several generate() calls: each captures once."""
