@@ -83,11 +83,9 @@ def reinplace(draft: PlanDraft) -> bool:
 
 
 def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: set[fx.Node],
-                 allocates: Callable[[fx.Node], bool], updates: dict[fx.Node, fx.Node] | None = None
-                 ) -> set[fx.Node]:
+                 allocates: Callable[[fx.Node], bool], updates: dict[fx.Node, fx.Node]) -> set[fx.Node]:
     """The nodes to run inplace, given the issue order, the returned nodes, the donated inputs and the
     updates of mutated inputs (each mapped to the input its write-back replaces)."""
-    updates = updates or {}
     aliases = _Aliases()
     for node in order:
         if node.target is torch.ops.aten.cat.default:
