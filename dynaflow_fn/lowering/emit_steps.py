@@ -6,6 +6,8 @@
 * work that depends on no input (masks, position ids, rotary tables) moves to `setup`, computed once;
 * the `copy_` that functionalization leaves for a mutated input becomes a COPY step (a write-back),
   unless the updates it copies back ran inplace, leaving the value where it goes already;
+* a call that updates input arguments in place (an Inductor run holding a write-back) writes their
+  slots and allocates its other results;
 * a node that reinplace chose runs as its inplace variant, writing the arguments it mutates.
 
 Which tensors share memory comes from the fake tensors of the trace: two values with the same fake
@@ -92,6 +94,8 @@ def _step_for(draft: PlanDraft, node: fx.Node, at_setup: bool) -> Step:
         return _inplace_step(draft, node, stream, args, kwargs)
     if ops.is_collective_wait(op):
         return _wait_step(draft, node, stream, args)
+    if getattr(op, "updated_arguments", None):
+        return _updating_call_step(draft, node, stream, args, kwargs, op.updated_arguments)
     return _computed_step(draft, node, at_setup, stream, args, kwargs)
 
 
@@ -144,6 +148,26 @@ def _inplace_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple, kwa
         draft.slot_of[(node, index)] = slot
     return new_step(StepKind.KERNEL, stream, ops.inplace_variant(node.target), args, kwargs, slots,
                     node=node.name, note="reinplaced")
+
+
+def _updating_call_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple, kwargs: dict,
+                        updated: dict[int, int]) -> Step:
+    """A call that updates some of its input arguments in place and allocates its other results (an
+    Inductor run that writes a KV cache: `passes.inductor.CompiledRun.updated_arguments`, {result:
+    argument}). Each updated result takes its argument's slot, which the step writes."""
+    outputs = []
+    for index, value in enumerate(flat_values(node)):
+        if index in updated:
+            argument = node.args[updated[index]]
+            if draft.storage_kind(argument) is not StorageKind.INPUT:
+                raise InternalError(f"{node.name} updates {argument.name} in place, which is no program input")
+            slot = draft.slot_of[(argument, 0)]
+            draft.slot_of[(node, index)] = slot
+        else:
+            slot = draft.slot_for_value(node, index, value, False, StorageKind.DYNAMIC)
+        outputs.append(slot)
+    return new_step(StepKind.ALLOC, stream, node.target, args, kwargs, tuple(outputs), node=node.name,
+                    note=f"{node.target.note}, updating inputs in place", result_indices=tuple(range(len(outputs))))
 
 
 def _wait_step(draft: PlanDraft, node: fx.Node, stream: int, args: tuple) -> Step:

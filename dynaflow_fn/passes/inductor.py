@@ -13,9 +13,13 @@ What stays aten:
 * random ops (Inductor draws different numbers than eager);
 * multi-tensor optimizer updates (`_foreach_*`, `_fused_adamw`), which lowering runs inplace on
   donated parameters and state;
-* the write-back of a mutated input (a `copy_` into an argument), and the updates it copies back
-  (`keys[slots] = k`: lowering runs them inplace on the input, where a compiled run would write a
-  new copy of the whole input, copied back after);
+* the updates of a mutated input (`keys[slots] = k`, traced as `new = index_put(keys, ...)` and a
+  write-back `copy_(keys, new)` at the end of the program) where they cannot join one run together
+  with their write-back: lowering runs them inplace on the input. Where they can, the write-back
+  joins the run of its updates (`_fused_write_backs`): Inductor updates the input in place, fused
+  with the ops around the update (the rotary embedding that makes `k`, the gather that reads the
+  cache next), and the compiled run's step writes the input. A run holding the updates without
+  their write-back would write a new copy of the whole input, copied back at the end;
 * work that depends on no input (lowering computes it once, at setup);
 * stages tagged "no-inductor" by a partition rule (`T.Region("attn", tags={"no-inductor"})`);
 * a run Inductor fails to compile, with a warning naming it.
@@ -32,10 +36,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ..compat import OpOverload, compile_with_inductor, outside_current_trace
+from ..compat import OpOverload, StorageWeakRef, compile_with_inductor, outside_current_trace
 from ..errors import warn
 from ..ir import ops
-from ..ir.analyses import setup_nodes, written_back_updates
+from ..ir.analyses import is_write_back, setup_nodes, written_back_updates
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
 from ..ir.progress import progress_bar
@@ -46,17 +50,29 @@ NO_INDUCTOR = "no-inductor"
 
 
 class CompiledRun:
-    """A node target: one run of a stage, compiled by Inductor. `graph_module` keeps its aten code."""
+    """A node target: one run of a stage, compiled by Inductor. `graph_module` keeps its aten code.
+
+    `updated_arguments` maps results to arguments, {result index: argument index}, for the inputs the
+    run updates in place (a KV cache written by its write-back): that result is the argument itself,
+    and lowering gives it the argument's slot, which the run's step then writes."""
 
     note = "Inductor kernels"
 
-    def __init__(self, name: str, graph_module: fx.GraphModule, compiled: Callable[..., Any]):
+    def __init__(self, name: str, graph_module: fx.GraphModule, compiled: Callable[..., Any],
+                 updated_arguments: dict[int, int]):
         self.__name__ = name
         self.graph_module = graph_module
         self.compiled = compiled
+        self.updated_arguments = updated_arguments
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        return self.compiled(*args)
+        results = self.compiled(*args)
+        if not self.updated_arguments:
+            return results
+        results = list(results)
+        for result, argument in self.updated_arguments.items():
+            results[result] = args[argument]       # the very tensor, as lowering's slot says
+        return results
 
     def __repr__(self) -> str:
         return f"<{self.__name__}: {sum(1 for n in self.graph_module.graph.nodes if n.op == 'call_function')} ops>"
@@ -85,7 +101,8 @@ class InductorPass(Pass):
             if key not in cache:
                 cache[key] = self._compile(graph_module, inputs, run)
             if cache[key] is not None:
-                target = CompiledRun(f"inductor_{len(calls)}", graph_module, cache[key])
+                updated = {i: inputs.index(out.args[0]) for i, out in enumerate(outputs) if is_write_back(out)}
+                target = CompiledRun(f"inductor_{len(calls)}", graph_module, cache[key], updated)
                 calls.append(_Call(run, inputs, outputs, target))
         self.compiled, self.fallbacks = len(calls), len(runs) - len(calls)
         if not calls:
@@ -121,9 +138,30 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
     itself allocates. A run that returned a view of one of its inputs would be a step that writes
     memory another step made, and which other streams may be reading.
 
+    Work that depends on no input (`setup_nodes`: a mask, position ids) is computed once, at setup: to a
+    run it is one more outside value, issued between two of its ops or not, so it neither joins nor
+    breaks one (a break would cost the fusion of the ops on either side of it).
+
+    The updates of a mutated input are compilable where their write-back can join their run
+    (`_fused_write_backs`), which it then does, as the run's last op. The others stay aten.
+
     Reshapes of outside values that only one run reads then join that run (`_with_private_reshapes`).
     """
-    left_aten = setup_nodes(program) | set(written_back_updates(program))
+    setup, updates = setup_nodes(program), written_back_updates(program)
+    left_aten: set[fx.Node] = set()
+    while True:
+        runs = _runs(program, setup, left_aten)
+        fused, split = _fused_write_backs(program, updates, left_aten, runs)
+        if not split:
+            break
+        left_aten |= split
+    for write_back, index in fused.items():
+        runs[index].append(write_back)
+    return _with_private_reshapes(runs, program)
+
+
+def _runs(program: Program, setup: set[fx.Node], left_aten: set[fx.Node]) -> list[list[fx.Node]]:
+    """The runs of `_find_runs`, before write-backs join them."""
     runs: list[list[fx.Node]] = []
     run_of: dict[fx.Node, int] = {}
     open_key: Any = None
@@ -133,6 +171,8 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
             if parent in run_of:
                 runs[run_of[parent]].append(node)
                 run_of[node] = run_of[parent]
+            continue
+        if node in setup:
             continue
         node_info = info(node)
         key = (node_info.stage, node_info.mb, node_info.stream)
@@ -147,8 +187,65 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
             open_key = key
         runs[-1].append(node)
         run_of[node] = len(runs) - 1
-    runs = [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
-    return _with_private_reshapes(runs, program)
+    return [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
+
+
+def _fused_write_backs(program: Program, updates: dict[fx.Node, fx.Node], left_aten: set[fx.Node],
+                       runs: list[list[fx.Node]]) -> tuple[dict[fx.Node, int], set[fx.Node]]:
+    """Which write-backs join the run of their updates ({write-back: run index}), and the updates of
+    the others, which must stay aten (a run holding them would copy the whole input).
+
+    A write-back `copy_(x, new)` is issued at the end of the program: until then `x` holds its old
+    value. It may join the run that computes `new` from `x`, as its last op, when that run holds the
+    whole chain of updates and
+
+    * nothing outside the run reads `x`'s memory from the run's first op on (`x` itself, a view of it:
+      they would see the new value early), the program's output included;
+    * the run reads no view of `x` from outside (Inductor would not know it aliases the input it updates);
+    * no update but the last has a reader outside the run (that reader would need a copy of its own).
+
+    Readers of `new` outside the run then read `x`, which holds it from the run on (`_rewrite`)."""
+    run_of = {node: index for index, run in enumerate(runs) for node in run}
+    position = {node: index for index, node in enumerate(program.issue_order())}
+    position[program.output_node()] = len(position)
+    readers = _readers_of_memory(program)
+    chains: dict[fx.Node, list[fx.Node]] = {}
+    for node, target in updates.items():
+        if node not in left_aten:
+            write_back = next(u for u in target.users if is_write_back(u) and u.args[0] is target)
+            chains.setdefault(write_back, []).append(node)
+    fused: dict[fx.Node, int] = {}
+    split: set[fx.Node] = set()
+    for write_back, chain in chains.items():
+        target, last = write_back.args
+        index = run_of.get(chain[0])
+        members = set(runs[index]) if index is not None else set()
+        start = position[runs[index][0]] if index is not None else 0
+        if (index is not None and all(node in members for node in chain)
+                and all(reader in members or reader is write_back or position[reader] < start
+                        for reader in readers[_memory(target)])
+                and all(value is target or value in members or _memory(value) != _memory(target)
+                        for node in members for value in node.all_input_nodes)
+                and all(user is write_back or user in members for node in chain if node is not last
+                        for user in node.users)):
+            fused[write_back] = index
+        else:
+            split.update(chain)
+    return fused, split
+
+
+def _memory(node: fx.Node) -> StorageWeakRef | None:
+    value = node.meta.get("val")
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def _readers_of_memory(program: Program) -> dict[StorageWeakRef | None, set[fx.Node]]:
+    """The nodes that read each memory (a value or a view of it), by the fake storage of what they read."""
+    readers: dict[StorageWeakRef | None, set[fx.Node]] = {}
+    for node in program.graph.nodes:
+        for value in node.all_input_nodes:
+            readers.setdefault(_memory(value), set()).add(node)
+    return readers
 
 
 def _with_private_reshapes(runs: list[list[fx.Node]], program: Program) -> list[list[fx.Node]]:
@@ -194,7 +291,8 @@ def _returns_tensor_lists(op: OpOverload) -> bool:
 
 def _extract(run: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     """The run as a standalone graph: its outside inputs become placeholders, and every tensor a
-    non-member reads (or the program returns) becomes an output."""
+    non-member reads (or the program returns) becomes an output, but for the new value of an input the
+    run writes back: its write-back is the output (the input, updated), and its readers read that."""
     members = set(run)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -210,7 +308,9 @@ def _extract(run: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], lis
 
     for node in run:
         env[node] = graph.node_copy(node, lookup)
-    outputs = [n for n in run if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)]
+    written_back = {n.args[1] for n in run if is_write_back(n)}
+    outputs = [n for n in run if is_write_back(n) or (n not in written_back and isinstance(n.meta.get("val"), torch.Tensor)
+                                                      and any(u not in members for u in n.users))]
     graph.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
 
@@ -232,7 +332,8 @@ def _rewrite(program: Program, calls: Sequence[_Call]) -> fx.Graph:
     outside reader after it) and takes that op's annotations; its results keep the names of the
     values they replace, so plans and printouts still read in terms of the traced program.
     """
-    call_at = {next(n for n in reversed(c.run) if n.target is not operator.getitem): c for c in calls}
+    call_at = {next(n for n in reversed(c.run) if n.target is not operator.getitem and not is_write_back(n)): c
+               for c in calls}
     replaced = {node for c in calls for node in c.run}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -258,6 +359,8 @@ def _emit_call(graph: fx.Graph, env: dict[fx.Node, fx.Node], call: _Call, node_i
         result.meta["val"] = output.meta["val"]
         result.meta["df"] = node_info
         env[output] = result
+        if is_write_back(output):
+            env[output.args[1]] = result           # the new value is the updated input's
 
 
 def _structure(graph: fx.Graph) -> tuple:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
+from dynaflow_fn.passes.inductor import CompiledRun
 from dynaflow_fn.jitting.replayer import Replayer
 from models import MLP, Block, ConvNet, tiny_causal_lm, tiny_llama
 
@@ -79,18 +80,24 @@ def test_generate_with_a_static_cache_gives_eagers_tokens_and_traces_each_graph_
     assert len(recorded.state[decode]) >= 4            # the KV cache of both layers is among them
 
 
-def test_generate_updates_the_static_cache_inplace_with_no_write_back_copies():
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_generate_updates_the_static_cache_inplace_with_no_write_back_copies(backend):
     """transformers' StaticCache writes each step's keys and values with `index_copy_`. The decode graph's
-    plan runs those updates on the cache itself: a write-back copy would copy the whole cache per step."""
+    plan runs those updates on the cache itself: a write-back copy would copy the whole cache per step.
+    Under Inductor each update is fused into a compiled run, which writes the cache tensor."""
     model = _static_cache_llama()
     ids = torch.randint(0, 128, (2, 7))
     expected = _generate(model, ids, 4)
-    backend = df.compile_backend(progress=False)
-    model.forward = torch.compile(model.forward, backend=backend, dynamic=False)
+    compiler = df.compile_backend(backend=backend, progress=False)
+    model.forward = torch.compile(model.forward, backend=compiler, dynamic=False)
     assert torch.equal(_generate(model, ids, 4), expected)
-    decode = [graph.plans()[0] for graph in backend.graphs if graph.cache_info().hits][-1]
-    updates = [step for step in decode.steps if step.op is torch.ops.aten.index_copy_.default]
-    assert len(updates) == 4 and all(step.note == "reinplaced" for step in updates)     # keys, values x 2 layers
+    decode = [graph.plans()[0] for graph in compiler.graphs if graph.cache_info().hits][-1]
+    if backend == "eager":
+        updates = [step for step in decode.steps if step.op is torch.ops.aten.index_copy_.default]
+        assert len(updates) == 4 and all(step.note == "reinplaced" for step in updates)  # keys, values x 2 layers
+    else:
+        written = {slot for step in decode.steps if isinstance(step.op, CompiledRun) for slot in step.writes()}
+        assert {decode.input_slots[i] for i in decode.written_inputs()} <= written
     assert len(decode.written_inputs()) >= 4 and not decode.copy_steps()
 
 

@@ -14,6 +14,7 @@ import dynaflow_fn as df
 from dynaflow_fn.ir import ops
 from dynaflow_fn.ir.analyses import is_write_back, written_back_updates
 from dynaflow_fn.ir.ops import inplace_variant
+from dynaflow_fn.passes import inductor
 from dynaflow_fn.plan.plan import StepKind
 from dynaflow_fn import transforms as T
 from fixtures import EachNode, RandomScheduler, build, example_inputs, recipes, scheduled
@@ -37,6 +38,9 @@ def _assert_old_values_are_dead(program, plan, donated=()):
     """Every argument an inplace step overwrites is read by no step after it, is not returned and,
     if it is an input, is a donated one or one the step's result is written back into."""
     position = {step.node: step.index for step in plan.steps if step.node}
+    for step in plan.steps:                     # an Inductor run's ops keep their names in its graph
+        if isinstance(step.op, inductor.CompiledRun):
+            position.update(dict.fromkeys((n.name for n in step.op.graph_module.graph.nodes), step.index))
     nodes = {node.name: node for node in program.graph.nodes}
     donated_names = {program.placeholders()[i].name for i in donated}
     updates = written_back_updates(program)
@@ -147,17 +151,42 @@ def _check_cache_step(fn, backend, **options):
     return plan
 
 
+def _cache_updates_in_place(plan):
+    """The steps that update input 0 (the cache) where it lives: an aten `index_put_`, or an Inductor run
+    whose write-back joined it (it writes the input's slot)."""
+    cache = plan.input_slots[0]
+    return [step for step in plan.steps if (step in _inplace_steps(plan) and step.op is torch.ops.aten.index_put_.default)
+            or (isinstance(step.op, inductor.CompiledRun) and cache in step.writes())]
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_a_cache_update_runs_inplace_and_its_write_back_copies_nothing(backend):
     """`cache[slots] = x` is traced as `index_put(cache, ...)` and a write-back `copy_(cache, ...)`: as
     traced, a call would copy the whole cache twice. The update runs inplace instead, on the cache
-    itself (an aten step under Inductor too), and no step copies the cache back."""
+    itself: an aten step, or under Inductor a compiled run that holds the write-back, fused with the
+    ops that make the rows and read the cache, and no step copies the cache back."""
     plan = _check_cache_step(_cache_step, backend)
-    reinplaced = _inplace_steps(plan)
-    assert [step.op for step in reinplaced if step.op is torch.ops.aten.index_put_.default] == [
-        torch.ops.aten.index_put_.default]
+    [update] = _cache_updates_in_place(plan)
+    assert isinstance(update.op, inductor.CompiledRun) == (backend == "inductor")
+    if backend == "inductor":
+        assert plan.steps == (update,)              # the matmul, tanh, update and both reads: one run
     assert plan.written_inputs() == [0]
     assert not [step for step in plan.copy_steps() if step.outputs == (plan.input_slots[0],)]
+
+
+def _cache_and_its_view(cache, slots, new, w):
+    before = cache[0] * 2                       # the old row, through a view made outside the run
+    cache[slots] = new @ w
+    return before.sum(), cache[slots]
+
+
+def test_a_run_that_reads_a_view_of_the_cache_it_updates_leaves_the_update_aten():
+    """A compiled run that updated the cache would read the view as an input of its own, which Inductor
+    cannot know aliases the cache, and might read it after the update: the update stays an aten step,
+    and the plan computes eager's values (`_check_cache_step`)."""
+    plan = _check_cache_step(_cache_and_its_view, "inductor")
+    [update] = _cache_updates_in_place(plan) or [None]
+    assert update is None or not isinstance(update.op, inductor.CompiledRun)
 
 
 @pytest.mark.parametrize("strategy", ["roundrobin", "tbo"])
@@ -175,17 +204,19 @@ def _read_old_and_new(cache, slots, new, w):
     return old_total, cache[slots] * 2
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("seed", range(12))
-def test_a_cache_whose_old_value_is_read_later_is_not_updated_inplace_before_that(seed):
+def test_a_cache_whose_old_value_is_read_later_is_not_updated_inplace_before_that(seed, backend):
     """Random issue orders on two streams: the old value's sum comes before the update in some and after
     it in others (seeds 7, 9, 11). Either way the plan computes eager's values, and it updates the cache
-    inplace exactly when the sum is issued first."""
+    inplace exactly when the sum is issued first (under Inductor, each op is a run of its own: the
+    update's run takes its write-back only then)."""
     fn = T.overlap(T.partition(_read_old_and_new, rules=[EachNode()]), strategy=RandomScheduler(seed, 2))
-    plan = _check_cache_step(fn, "eager")
-    issued = [str(step.op) for step in plan.steps]
-    summed_first = next(i for i, op in enumerate(issued) if "aten.sum" in op) < next(
-        i for i, op in enumerate(issued) if "aten.index_put" in op)
-    assert bool(_inplace_steps(plan)) == summed_first
+    plan = _check_cache_step(fn, backend)
+    program = df.jit(fn, backend=backend, progress=False).trace(*_cache_inputs())
+    order = [node.target for node in program.issue_order()]
+    summed_first = order.index(torch.ops.aten.sum.dim_IntList) < order.index(torch.ops.aten.index_put.default)
+    assert bool(_cache_updates_in_place(plan)) == summed_first
     assert bool(plan.copy_steps()) == (not summed_first)
 
 

@@ -122,6 +122,25 @@ def test_a_run_compiles_the_reshapes_of_inputs_only_it_reads():
     assert plan.steps == (run,)
 
 
+def test_setup_work_between_two_ops_leaves_them_in_one_run():
+    """A mask or position table made from no input is computed once, at setup; issued between two ops
+    of a stage, it is one more outside value of their run, not a break in it (a break costs the fusion
+    of the ops on either side, the attention mask with the scores it masks, say)."""
+
+    def masked_scores(q, k):
+        scores = q @ k.transpose(-1, -2)
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+
+    fast = df.jit(masked_scores, backend="inductor", progress=False)
+    q, k = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    torch.testing.assert_close(fast(q, k), masked_scores(q, k), rtol=1e-4, atol=1e-5)
+    plan = fast.lower(q, k)
+    df.verify(plan)
+    assert plan.setup and len(_compiled_steps(plan)) == 1
+    assert not _aten_ops(plan)
+
+
 @pytest.mark.parametrize("strategy", ["sequential", "roundrobin"])
 def test_a_compiled_run_never_returns_memory_it_reads(strategy):
     """A stage that starts by viewing a value an earlier stage made (a rotary table, read by every
