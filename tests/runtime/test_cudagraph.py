@@ -9,6 +9,7 @@ import torch
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
+from dynaflow_fn.compat import clear_cublas_workspaces
 from dynaflow_fn.passes.inductor import CompiledRun
 from fixtures import training_step
 from models import MLP, Block, TwoBranch, llama_logits, tiny_llama
@@ -354,7 +355,12 @@ def test_graph_memory_counts_buffers_and_pool_and_not_workspaces_freed_around_th
     """cuBLAS workspaces the caller's GEMMs left in the general pool are freed when the capture starts,
     and torch.cuda.graph empties the allocator's cache of free blocks: neither must be subtracted from
     the graph's memory (both once were, down to a negative count), and what the capture added to the
-    graph's pool (its own workspace) must be counted."""
+    graph's pool (its own workspace) must be counted. Measured from a device with nothing cached and
+    no workspace, reserved memory can only grow by what the graph holds and more."""
+    torch.cuda.synchronize()
+    clear_cublas_workspaces()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
     a = torch.randn(512, 512, device="cuda")
     for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
         with torch.cuda.stream(stream):
@@ -362,15 +368,12 @@ def test_graph_memory_counts_buffers_and_pool_and_not_workspaces_freed_around_th
     del a
     fast = df.jit(lambda w, x: torch.relu(x @ w) @ w, backend="cudagraph", progress=False)
     w, x = torch.randn(256, 256, device="cuda"), torch.randn(64, 256, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
     torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB freed at once: cached, reserved
     out = fast(w, x)
     torch.testing.assert_close(out, torch.relu(x @ w) @ w, rtol=1e-4, atol=1e-4)
     held = fast.cache_info().graph_memory_bytes
     assert held >= x.nbytes + out.nbytes                   # its static input and output buffers at least
-    assert held <= torch.cuda.memory_reserved() - before + (2 << 20)   # what it holds is in new segments
+    assert held <= torch.cuda.memory_reserved() - before + (2 << 20)
 
 
 @pytest.mark.parametrize("persistent", [(0,), ()], ids=["resident-cache", "copied-in-cache"])
@@ -385,7 +388,7 @@ def test_a_cache_updated_by_each_call_equals_eager_under_the_default_backend(per
 
     fast = df.jit(step, persistent_argnums=persistent, progress=False)
     w = torch.randn(64, 64, device="cuda")
-    caches = [torch.randn(1 << 16, 64, device="cuda") for _ in range(2)]      # 16 MiB each
+    caches = [torch.randn(1 << 20, 64, device="cuda") for _ in range(2)]      # 256 MiB each
     for call in range(4):
         cache = caches[call % 2] if not persistent else caches[0]
         slots = torch.randperm(32, device="cuda")[:8]
@@ -397,5 +400,5 @@ def test_a_cache_updated_by_each_call_equals_eager_under_the_default_backend(per
     plan = df.verify(fast.lower(cache, slots, new, w))
     [update] = [s for s in plan.steps if plan.input_slots[0] in s.writes()]
     assert isinstance(update.op, CompiledRun) and not plan.copy_steps()
-    if persistent:
-        assert fast.cache_info().graph_memory_bytes < cache.nbytes // 4
+    if persistent:                                  # its buffers and cuBLAS's workspace, no copy of the cache
+        assert fast.cache_info().graph_memory_bytes < cache.nbytes // 2
