@@ -181,7 +181,16 @@ def jitted(fn: Callable[..., Any], args: tuple, persistent: Sequence[int] = (), 
             return fast(*args)
 
     call()
+    call.jitted = fast                          # for its cache_info() and, with strategy="auto", its choices
     return call
+
+
+def chosen_strategies(call: Callable[[], Any]) -> str | None:
+    """What `strategy="auto"` kept for a `jitted` call, per input signature ("none", "branches", ...);
+    None for any other call."""
+    fast = getattr(call, "jitted", None)
+    choices = getattr(fast, "choices", None)
+    return ", ".join(choice.strategy for choice in choices.values()) if choices else None
 
 
 def output_of(call: Callable[[], Any], static_output: Any) -> Any:

@@ -27,8 +27,8 @@ In pod and decode, the tensors that persist across calls (weights and KV caches;
 are marked with torch._dynamo.mark_static_address, which torch.compile and df.jit both read in place;
 the df rows are df.jit's default settings around their transform. Each sample times 10 back-to-back
 calls with CUDA events (steady state, so host work per call overlaps the GPU as in a serving loop);
-30 samples per variant, interleaved. Prints medians and ratios against the baseline and against
-compile-reduce-overhead (peak_mem_mb is left out for cudagraph trees, whose pool bookkeeping rewrites
+30 samples per variant, interleaved. Prints medians, ratios against the baseline and against
+compile-reduce-overhead, and what df.auto kept (`choice`) (peak_mem_mb is left out for cudagraph trees, whose pool bookkeeping rewrites
 the allocator's counters); writes bench/results/single_gpu.json (single_gpu-<cases>.json for a subset).
     python -m bench.single_gpu [--cases pod decode module]
 """
@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynaflow_fn as df
-from bench.common import (COMPILE, DF, capture_graph, compiled, jitted, mark_static, output_of, peak_memory_mb,
-                          print_table, relative_error, release, time_variants, with_speedup_vs_compile,
-                          write_results)
+from bench.common import (COMPILE, DF, capture_graph, chosen_strategies, compiled, jitted, mark_static, output_of,
+                          peak_memory_mb, print_table, relative_error, release, time_variants,
+                          with_speedup_vs_compile, write_results)
 from bench.llama_layers import DTYPE, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, decoder_layer, decoder_stack, make_layer
 from dynaflow_fn import transforms as T
 
@@ -132,7 +132,8 @@ def _measure(case: str, variants: dict, reference, baseline: str = "baseline") -
         memory = peak_memory_mb(lambda: holder.setdefault("built", build()))
         built = holder["built"]
         calls[name], outputs[name] = built if isinstance(built, tuple) else (built, None)
-        rows.append({"case": case, "variant": name, "peak_mem_mb": None if name == COMPILE else memory})
+        rows.append({"case": case, "variant": name, "peak_mem_mb": None if name == COMPILE else memory,
+                     "choice": chosen_strategies(calls[name])})
     timings = time_variants(calls, rounds=3, repeats=10, inner=10)
     torch.cuda.synchronize()
     base = timings[baseline]["median_ms"]
@@ -249,7 +250,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [row for case in options.cases for row in CASES[case]()]
     columns = ["case", "variant", "median_ms", "p10_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_compile",
-               "peak_mem_mb", "rel_err"]
+               "peak_mem_mb", "choice", "rel_err"]
     print_table(rows, columns, f"single GPU overlap ({torch.cuda.get_device_name()})")
     name = "single_gpu" if options.cases == list(CASES) else f"single_gpu-{'-'.join(options.cases)}"
     print(f"\nwrote {write_results(name, rows)}")

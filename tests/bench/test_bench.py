@@ -65,3 +65,20 @@ def test_python_m_bench_exits_0_without_a_gpu():
     result = subprocess.run([sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "df.trace+lower" in result.stdout and "not written to bench/results/" in result.stdout
+
+
+def test_a_jitted_peer_reports_the_strategy_auto_kept(monkeypatch, tmp_path):
+    """bench rows name what `strategy="auto"` chose (its "choice" column), read from the df.jit object
+    behind the call; a call with a fixed strategy has no choice."""
+    monkeypatch.syspath_prepend(ROOT)
+    monkeypatch.setenv("DYNAFLOW_CACHE_DIR", str(tmp_path))          # measured, not recalled
+    from bench.common import chosen_strategies, jitted
+
+    def fn(x, y):
+        return torch.relu(x @ y).sum(-1)
+
+    args = (torch.randn(16, 16), torch.randn(16, 16))
+    auto = jitted(fn, args, strategy="auto", progress=False)
+    [choice] = auto.jitted.choices.values()
+    assert chosen_strategies(auto) == choice.strategy
+    assert chosen_strategies(jitted(fn, args)) is None
