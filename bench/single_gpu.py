@@ -28,8 +28,9 @@ are marked with torch._dynamo.mark_static_address, which torch.compile and df.ji
 the df rows are df.jit's default settings around their transform. Each sample times 10 back-to-back
 calls with CUDA events (steady state, so host work per call overlaps the GPU as in a serving loop);
 30 samples per variant, interleaved. Prints medians, ratios against the baseline and against
-compile-reduce-overhead, and what df.auto kept (`choice`) (peak_mem_mb is left out for cudagraph trees, whose pool bookkeeping rewrites
-the allocator's counters); writes bench/results/single_gpu.json (single_gpu-<cases>.json for a subset).
+compile-reduce-overhead, and what df.auto kept (`choice`); peak_mem_mb is left out for cudagraph
+trees, whose pool bookkeeping rewrites the allocator's counters. Writes bench/results/single_gpu.json
+(single_gpu-<cases>.json for a subset).
     python -m bench.single_gpu [--cases pod decode module]
 """
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ..compat import StorageWeakRef
 from . import ops
 from .program import Program
+
+
+def fake_storage(node: fx.Node) -> StorageWeakRef | None:
+    """The memory a node's value lives in, by its fake tensor's storage: views of one value share it."""
+    value = node.meta.get("val")
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
 def setup_nodes(program: Program) -> set[fx.Node]:

@@ -30,9 +30,9 @@ import optree
 import torch
 from torch import fx
 
-from ..compat import StorageWeakRef, has_internal_overlap
+from ..compat import has_internal_overlap
 from ..ir import ops
-from ..ir.analyses import is_write_back, written_back_updates
+from ..ir.analyses import fake_storage, is_write_back, written_back_updates
 from ..ir.tree import TensorSpec
 from ..plan.plan import Layout
 from .draft import PlanDraft
@@ -47,11 +47,6 @@ def mutated_arguments(node: fx.Node) -> list[object]:
     for arg in node.args[:written]:
         flat += list(arg) if isinstance(arg, (list, tuple)) else [arg]
     return flat
-
-
-def _storage(node: fx.Node) -> StorageWeakRef | None:
-    value = node.meta.get("val")
-    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
 class _Aliases:
@@ -95,7 +90,7 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
         base = next((a for a in node.args if isinstance(a, fx.Node)), None)
         if base is None:
             continue
-        storage, base_storage = _storage(node), _storage(base)
+        storage, base_storage = fake_storage(node), fake_storage(base)
         if ops.is_view(node.target) or (node.target is operator.getitem and ops.is_view(base.target)) or (
                 storage is not None and base_storage is not None and storage == base_storage):
             aliases.join(node, base)

@@ -39,7 +39,7 @@ from torch import fx
 from ..compat import OpOverload, StorageWeakRef, compile_with_inductor, outside_current_trace
 from ..errors import warn
 from ..ir import ops
-from ..ir.analyses import is_write_back, setup_nodes, written_back_updates
+from ..ir.analyses import fake_storage, is_write_back, setup_nodes, written_back_updates
 from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program, info
 from ..ir.progress import progress_bar
@@ -147,11 +147,14 @@ def _find_runs(program: Program) -> list[list[fx.Node]]:
 
     Reshapes of outside values that only one run reads then join that run (`_with_private_reshapes`).
     """
-    setup, updates = setup_nodes(program), written_back_updates(program)
+    setup, chains = setup_nodes(program), _update_chains(program)
+    position = {node: index for index, node in enumerate(program.issue_order())}
+    position[program.output_node()] = len(position)
+    readers = _readers_of_memory(program)
     left_aten: set[fx.Node] = set()
     while True:
         runs = _runs(program, setup, left_aten)
-        fused, split = _fused_write_backs(program, updates, left_aten, runs)
+        fused, split = _fused_write_backs(chains, left_aten, runs, position, readers)
         if not split:
             break
         left_aten |= split
@@ -190,8 +193,19 @@ def _runs(program: Program, setup: set[fx.Node], left_aten: set[fx.Node]) -> lis
     return [run for run in runs if any(not ops.is_view(n.target) and n.target is not operator.getitem for n in run)]
 
 
-def _fused_write_backs(program: Program, updates: dict[fx.Node, fx.Node], left_aten: set[fx.Node],
-                       runs: list[list[fx.Node]]) -> tuple[dict[fx.Node, int], set[fx.Node]]:
+def _update_chains(program: Program) -> dict[fx.Node, list[fx.Node]]:
+    """Each write-back of a mutated input, with the chain of updates it copies back
+    (`analyses.written_back_updates`)."""
+    chains: dict[fx.Node, list[fx.Node]] = {}
+    for node, target in written_back_updates(program).items():
+        write_back = next(u for u in target.users if is_write_back(u) and u.args[0] is target)
+        chains.setdefault(write_back, []).append(node)
+    return chains
+
+
+def _fused_write_backs(chains: dict[fx.Node, list[fx.Node]], left_aten: set[fx.Node], runs: list[list[fx.Node]],
+                       position: dict[fx.Node, int], readers: dict[StorageWeakRef | None, set[fx.Node]]
+                       ) -> tuple[dict[fx.Node, int], set[fx.Node]]:
     """Which write-backs join the run of their updates ({write-back: run index}), and the updates of
     the others, which must stay aten (a run holding them would copy the whole input).
 
@@ -200,32 +214,22 @@ def _fused_write_backs(program: Program, updates: dict[fx.Node, fx.Node], left_a
     whole chain of updates and
 
     * nothing outside the run reads `x`'s memory from the run's first op on (`x` itself, a view of it:
-      they would see the new value early), the program's output included;
+      they would see the new value early), the program's output included (`position` has it last);
     * the run reads no view of `x` from outside (Inductor would not know it aliases the input it updates);
     * no update but the last has a reader outside the run (that reader would need a copy of its own).
 
     Readers of `new` outside the run then read `x`, which holds it from the run on (`_rewrite`)."""
     run_of = {node: index for index, run in enumerate(runs) for node in run}
-    position = {node: index for index, node in enumerate(program.issue_order())}
-    position[program.output_node()] = len(position)
-    readers = _readers_of_memory(program)
-    chains: dict[fx.Node, list[fx.Node]] = {}
-    for node, target in updates.items():
-        if node not in left_aten:
-            write_back = next(u for u in target.users if is_write_back(u) and u.args[0] is target)
-            chains.setdefault(write_back, []).append(node)
     fused: dict[fx.Node, int] = {}
     split: set[fx.Node] = set()
     for write_back, chain in chains.items():
+        if chain[0] in left_aten:
+            continue
         target, last = write_back.args
         index = run_of.get(chain[0])
         members = set(runs[index]) if index is not None else set()
-        start = position[runs[index][0]] if index is not None else 0
         if (index is not None and all(node in members for node in chain)
-                and all(reader in members or reader is write_back or position[reader] < start
-                        for reader in readers[_memory(target)])
-                and all(value is target or value in members or _memory(value) != _memory(target)
-                        for node in members for value in node.all_input_nodes)
+                and _only_the_run_reads(target, members, position[runs[index][0]], write_back, position, readers)
                 and all(user is write_back or user in members for node in chain if node is not last
                         for user in node.users)):
             fused[write_back] = index
@@ -234,9 +238,14 @@ def _fused_write_backs(program: Program, updates: dict[fx.Node, fx.Node], left_a
     return fused, split
 
 
-def _memory(node: fx.Node) -> StorageWeakRef | None:
-    value = node.meta.get("val")
-    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+def _only_the_run_reads(target: fx.Node, members: set[fx.Node], start: int, write_back: fx.Node,
+                        position: dict[fx.Node, int], readers: dict[StorageWeakRef | None, set[fx.Node]]) -> bool:
+    """Whether, from position `start` on, only the run's `members` (and the write-back) read the memory of
+    input `target`, and they read it as `target` itself, not through a view made outside."""
+    memory = fake_storage(target)
+    return (all(reader in members or reader is write_back or position[reader] < start for reader in readers[memory])
+            and all(value is target or value in members or fake_storage(value) != memory
+                    for node in members for value in node.all_input_nodes))
 
 
 def _readers_of_memory(program: Program) -> dict[StorageWeakRef | None, set[fx.Node]]:
@@ -244,7 +253,7 @@ def _readers_of_memory(program: Program) -> dict[StorageWeakRef | None, set[fx.N
     readers: dict[StorageWeakRef | None, set[fx.Node]] = {}
     for node in program.graph.nodes:
         for value in node.all_input_nodes:
-            readers.setdefault(_memory(value), set()).add(node)
+            readers.setdefault(fake_storage(value), set()).add(node)
     return readers
 
 
@@ -309,8 +318,8 @@ def _extract(run: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], lis
     for node in run:
         env[node] = graph.node_copy(node, lookup)
     written_back = {n.args[1] for n in run if is_write_back(n)}
-    outputs = [n for n in run if is_write_back(n) or (n not in written_back and isinstance(n.meta.get("val"), torch.Tensor)
-                                                      and any(u not in members for u in n.users))]
+    read_outside = lambda n: isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)
+    outputs = [n for n in run if is_write_back(n) or (n not in written_back and read_outside(n))]
     graph.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
 
