@@ -282,6 +282,36 @@ def test_training_with_batch_norm_updates_its_statistics_as_eager_does():
     assert int(model.bn.num_batches_tracked) == 2
 
 
+def test_hooks_registered_after_the_first_call_are_planned_when_dynamo_guards_them(monkeypatch):
+    """torch.compile skips guards on hooks by default (for every backend); with them on, a LoRA adapter or an
+    activation capture registered after the first call re-traces, and each new graph gives eager's values:
+    logits, the captured activation, and the adapter's gradient."""
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False)
+    model = tiny_llama(layers=2)
+    compiled = torch.compile(model, backend=df.compile_backend(progress=False))
+    ids = torch.randint(0, 128, (2, 9))
+    down, up = torch.randn(64, 4) * 0.1, torch.randn(4, 64) * 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+        adapter = model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out + args[0] @ down @ up)
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+        down.mul_(2)                                         # the adapter's weights, updated in place
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+        adapter.remove()
+        captured = []
+        model.model.layers[1].register_forward_hook(lambda m, args, out: captured.append(out))
+        logits = compiled(ids).logits
+        torch.testing.assert_close(logits, model(ids).logits)
+        assert len(captured) == 2
+        torch.testing.assert_close(captured[0], captured[1])
+    lora = torch.nn.Parameter(torch.randn(64, 64) * 0.01)
+    model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out + args[0] @ lora)
+    compiled(ids, labels=ids).loss.backward()
+    gradient, lora.grad = lora.grad, None
+    model(ids, labels=ids).loss.backward()
+    torch.testing.assert_close(gradient, lora.grad, rtol=1e-4, atol=1e-6)
+
+
 class Views(torch.nn.Module):
     """Returns views: of an intermediate, and of the argument at an offset that depends on its size."""
 
