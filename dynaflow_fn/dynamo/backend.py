@@ -194,6 +194,10 @@ def compile_backend(strategy: str | None = None, transforms: Callable[[Callable]
       aten graph, each planned by df.jit; `loss.backward()` and an optimizer step outside work as in
       eager PyTorch, batch norm's buffer updates included. A graph df cannot plan runs with aten
       kernels after a warning. Under torch.no_grad() the captured graph is planned as it is.
+    * hooks: those registered before the first call are in the graph. Dynamo does not guard on
+      module hooks by default (`torch._dynamo.config.skip_nnmodule_hook_guards`, for every backend),
+      so one registered or removed later goes unseen; with the flag off it re-traces, and the new
+      graph is planned like any other.
 
     strategy: None, or "auto" to time candidate strategies per graph (see `df.jit`).
     in_axes: "arguments" lets strategy="auto" try micro-batching inference graphs: the tensors the
