@@ -38,8 +38,9 @@ import torch
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
-from ..compat import StorageWeakRef, in_backward, outside_current_trace
+from ..compat import in_backward, outside_current_trace
 from ..ir import ops
+from ..ir.analyses import fake_storage
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ def gradient_flow(graph: fx.Graph, recorded: dict[fx.Node, bool]) -> GradientFlo
     def reads(node: fx.Node) -> int:
         mask = depends.get(node, 0)
         mask = functools.reduce(operator.or_, mask, 0) if isinstance(mask, tuple) else mask
-        storage = _storage(node)
+        storage = fake_storage(node)
         return mask | added.get(storage, 0) if storage is not None else mask
 
     for node in graph.nodes:
@@ -189,11 +190,11 @@ def gradient_flow(graph: fx.Graph, recorded: dict[fx.Node, bool]) -> GradientFlo
         on = recorded.get(node, True)
         written = _nodes_in(ops.written_arguments(node.target, node.args, node.kwargs))
         for target in written if on else ():
-            storage = _storage(target)
+            storage = fake_storage(target)
             if storage is None:
                 continue
             added[storage] = added.get(storage, 0) | inputs
-            updated |= functools.reduce(operator.or_, (1 << k for n, k in position.items() if _storage(n) == storage), 0)
+            updated |= functools.reduce(operator.or_, (1 << k for n, k in position.items() if fake_storage(n) == storage), 0)
         if written:                                         # the updated tensor itself, in the graph as before
             depends[node] = reads(written[0]) | (inputs if on else 0)
         else:
@@ -205,11 +206,6 @@ def gradient_flow(graph: fx.Graph, recorded: dict[fx.Node, bool]) -> GradientFlo
 
 def _positions(mask: int) -> tuple[int, ...]:
     return tuple(k for k in range(mask.bit_length()) if mask >> k & 1)
-
-
-def _storage(node: fx.Node) -> Any:
-    value = node.meta.get("val")
-    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:
