@@ -53,8 +53,10 @@ the pool memory each capture allocated is free again for the next capture.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -64,6 +66,38 @@ from ..plan.plan import Plan, StorageKind
 from .interpreter import BoundPlan, view_of
 from .shared_pool import SharedPool
 from .turns import Turns
+
+
+_gc_paused = 0                  # captures under way that keep Python's cyclic collector from running
+_gc_was_enabled = False
+_gc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def without_automatic_gc() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector from running inside: a capture must not free a CUDA graph.
+
+    The collector runs whenever enough objects were allocated, in whichever thread allocates, and a
+    capture allocates Python objects as it runs the plan's steps. Garbage it finds may hold a CUDA graph
+    (a jitted function dropped in a reference cycle, an old torch.compile graph): destroying that graph
+    then is an operation CUDA forbids while this thread captures, which invalidates the capture ("operation
+    failed due to a previous error during capture", seen first as a failed cuBLAS launch) and leaves the
+    process's CUDA generator unable to capture again. torch.cuda.graph no longer collects before a capture
+    (torch.compiler.config.force_cudagraph_gc is off by default), so the collector is paused instead, for
+    as long as any thread captures, and whatever it would have collected is collected after."""
+    global _gc_paused, _gc_was_enabled
+    with _gc_lock:
+        if _gc_paused == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_paused += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_paused -= 1
+            if _gc_paused == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 class CudaGraphExecutable:
@@ -163,8 +197,9 @@ class CudaGraphExecutable:
         self.graph = torch.cuda.CUDAGraph()
         compat.clear_cublas_workspaces()
         try:
-            with torch.cuda.graph(self.graph, pool=memory.graph_pool if memory is not None else None,
-                                  stream=capture_stream, capture_error_mode="thread_local"), torch.no_grad():
+            with without_automatic_gc(), torch.no_grad(), \
+                    torch.cuda.graph(self.graph, pool=memory.graph_pool if memory is not None else None,
+                                     stream=capture_stream, capture_error_mode="thread_local"):
                 reserved = torch.cuda.memory_reserved(device)     # entering emptied the allocator's cache
                 self.bound.run(self.env, streams, events)
                 for slot, buffer in self.copied_out:        # the plan joined every stream into this one

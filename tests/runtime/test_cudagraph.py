@@ -406,3 +406,33 @@ def test_a_cache_updated_by_each_call_equals_eager_under_the_default_backend(per
     assert isinstance(update.op, CompiledRun) and not plan.copy_steps()
     if persistent:                                  # its buffers and cuBLAS's workspace, no copy of the cache
         assert fast.cache_info().graph_memory_bytes < cache.nbytes // 2
+
+
+def test_a_graph_left_in_a_reference_cycle_is_not_destroyed_during_another_capture(monkeypatch):
+    """The cyclic collector runs wherever enough objects were allocated, a capture among them; a CUDA
+    graph it destroyed there would invalidate the capture. Here a dropped jitted function's graph becomes
+    cyclic garbage as the capture begins, and the collector may run on every allocation from then on."""
+    x = torch.randn(16, 16, device="cuda")
+    held = [df.jit(lambda a: a @ a, backend="cudagraph")]
+    held[0](x)
+    graph = weakref.ref(held[0]._last.executable.graph)
+    begin, thresholds = torch.cuda.CUDAGraph.capture_begin, gc.get_threshold()
+
+    def begin_with_fresh_garbage(self, *args, **kwargs):
+        if held:
+            cycle = [held.pop()]
+            cycle.append(cycle)
+            del cycle
+        begin(self, *args, **kwargs)
+        gc.set_threshold(1, 1, 1)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_with_fresh_garbage)
+    fast = df.jit(lambda a: torch.relu(a @ a.T) + 1, backend="cudagraph")
+    try:
+        result = fast(x)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert not held and graph() is None             # the garbage was there, and held by nothing else
+    torch.testing.assert_close(result, torch.relu(x @ x.T) + 1)
+    torch.testing.assert_close(fast(x * 2), torch.relu(4 * x @ x.T) + 1)
