@@ -135,7 +135,7 @@ def _measure(case: str, variants: dict, reference, baseline: str = "baseline") -
         calls[name], outputs[name] = built if isinstance(built, tuple) else (built, None)
         rows.append({"case": case, "variant": name, "peak_mem_mb": None if name == COMPILE else memory,
                      "choice": chosen_strategies(calls[name])})
-    timings = time_variants(calls, rounds=3, repeats=10, inner=10)
+    timings = time_variants(calls, rounds=10, repeats=10, inner=10)
     torch.cuda.synchronize()
     base = timings[baseline]["median_ms"]
     for row in rows:
