@@ -410,12 +410,13 @@ def test_a_cache_updated_by_each_call_equals_eager_under_the_default_backend(per
 
 def test_a_graph_left_in_a_reference_cycle_is_not_destroyed_during_another_capture(monkeypatch):
     """The cyclic collector runs wherever enough objects were allocated, a capture among them; a CUDA
-    graph it destroyed there would invalidate the capture. Here a dropped jitted function's graph becomes
-    cyclic garbage as the capture begins, and the collector may run on every allocation from then on."""
+    graph it destroyed there would invalidate the capture. Here a graph becomes cyclic garbage as the
+    capture begins, and the collector may run on every allocation from then on."""
     x = torch.randn(16, 16, device="cuda")
-    held = [df.jit(lambda a: a @ a, backend="cudagraph")]
-    held[0](x)
-    graph = weakref.ref(held[0]._last.executable.graph)
+    held = [torch.cuda.CUDAGraph()]
+    with torch.cuda.graph(held[0]):
+        x * 2
+    graph = weakref.ref(held[0])
     begin, thresholds = torch.cuda.CUDAGraph.capture_begin, gc.get_threshold()
 
     def begin_with_fresh_garbage(self, *args, **kwargs):
