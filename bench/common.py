@@ -29,6 +29,7 @@ import torch
 import dynaflow_fn as df
 from dynaflow_fn.compat import clear_cublas_workspaces
 from dynaflow_fn.jitting.timing import samples_ms
+from dynaflow_fn.runtime.cudagraph import without_automatic_gc
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ONE_RANK_NOTE = ("One rank: every collective is local, so this checks the multi-GPU code path (NCCL communicators, "
@@ -109,6 +110,8 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 2) -> tuple[Callable[[], 
     before the capture, as torch.compile and df.jit do around theirs: a GEMM captured on a stream that
     ran GEMMs in the warm-up (the side streams of a hand-written multi-stream graph) would otherwise
     bake in a workspace from the general pool, which the next of their captures frees under this graph.
+    Python's cyclic collector is paused over the capture, as df.jit pauses it over its own: a graph of
+    an earlier variant that it destroyed there would invalidate this capture.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -119,7 +122,7 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 2) -> tuple[Callable[[], 
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     clear_cublas_workspaces()
-    with torch.cuda.graph(graph):
+    with without_automatic_gc(), torch.cuda.graph(graph):
         out = fn()
     return graph.replay, out
 

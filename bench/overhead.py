@@ -45,6 +45,7 @@ import dynaflow_fn as df
 from bench.common import (COMPILE, DF, compiled, jitted, print_table, time_host, time_variants, with_speedup_vs_compile,
                           write_results)
 from dynaflow_fn.compat import clear_cublas_workspaces
+from dynaflow_fn.runtime.cudagraph import without_automatic_gc
 
 WIDTH, LAYERS = 512, 16
 
@@ -78,7 +79,7 @@ def hand_graph(model: nn.Module, example: torch.Tensor):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     clear_cublas_workspaces()                     # see bench.common.capture_graph
-    with torch.cuda.graph(graph), torch.no_grad():
+    with without_automatic_gc(), torch.cuda.graph(graph), torch.no_grad():
         static_y = model(static_x)
 
     def call(x):

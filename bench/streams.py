@@ -27,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import print_table, quantiles, write_results
+from dynaflow_fn.runtime.cudagraph import without_automatic_gc
 
 SIZE, CHAIN, ROUNDS = 8192, 10, 9
 WAITED_US = 100.0            # a side kernel that started this late waited for a GEMM to end
@@ -68,7 +69,7 @@ def as_graph(fn: Callable[[], object]) -> Callable[[], None]:
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with without_automatic_gc(), torch.cuda.graph(graph):
         fn()
     return graph.replay
 
