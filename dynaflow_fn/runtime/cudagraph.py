@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -100,6 +101,23 @@ def without_automatic_gc() -> Iterator[None]:
                 gc.enable()
 
 
+_kept_from_a_capture: list[torch.cuda.CUDAGraph] = []
+"""Graphs of executables that died while their thread's stream was capturing (see `_release_graph`)."""
+
+
+def _release_graph(graph: torch.cuda.CUDAGraph) -> None:
+    """Let go of a dead executable's graph: destroyed, unless this thread's stream is capturing now.
+
+    An executable dies when the cyclic collector frees it (a dropped jitted function is always cyclic
+    garbage), and the collector also runs inside captures that are not ours: torch.compile's, a
+    hand-written torch.cuda.graph. Destroying a graph there invalidates that capture, so the graph is
+    kept instead, until the next graph let go of outside a capture or the next capture of ours."""
+    if torch.cuda.is_current_stream_capturing():
+        _kept_from_a_capture.append(graph)
+    else:
+        _kept_from_a_capture.clear()
+
+
 class CudaGraphExecutable:
     """A Plan captured into one CUDA graph for inputs of fixed layouts (see the module docstring).
 
@@ -134,6 +152,7 @@ class CudaGraphExecutable:
             self.output_input = [input_position.get(slot) for slot in plan.output_slots]
             bound_bytes = torch.cuda.memory_allocated(device) - allocated
             self._capture(device, inputs, previous)
+            weakref.finalize(self, _release_graph, self.graph).atexit = False
             self.held_bytes = bound_bytes + self.pool_bytes
             for i in self.resident:           # read by address: the caller's tensors stay the caller's to free
                 self.static_inputs[i] = self.env[plan.input_slots[i]] = None
@@ -194,6 +213,7 @@ class CudaGraphExecutable:
             torch.cuda.current_stream(device).wait_stream(capture_stream)
             torch.cuda.synchronize(device)
         self._load_inputs(inputs)
+        _kept_from_a_capture.clear()
         self.graph = torch.cuda.CUDAGraph()
         compat.clear_cublas_workspaces()
         try:

@@ -437,3 +437,24 @@ def test_a_graph_left_in_a_reference_cycle_is_not_destroyed_during_another_captu
     assert not held and graph() is None             # the garbage was there, and held by nothing else
     torch.testing.assert_close(result, torch.relu(x @ x.T) + 1)
     torch.testing.assert_close(fast(x * 2), torch.relu(4 * x @ x.T) + 1)
+
+
+def test_a_dropped_jitted_function_collected_inside_a_capture_not_ours_leaves_that_capture_intact():
+    """A dropped jitted function is cyclic garbage, and the collector also runs inside captures that do
+    not pause it (torch.compile's, a hand-written one): its graph is destroyed after, not there."""
+    gc.collect()                                    # earlier tests' graphs, which would break the capture below
+    x = torch.randn(16, 16, device="cuda")
+    dropped = df.jit(lambda a: a @ a, backend="cudagraph")
+    dropped(x)
+    graph = weakref.ref(dropped._last.executable.graph)
+    del dropped
+    assert graph() is not None                      # garbage that only the collector frees
+    theirs = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(theirs):
+        doubled = x * 2
+        gc.collect()                                # what an allocation inside this capture may start
+    theirs.replay()
+    torch.testing.assert_close(doubled, x * 2)
+    fast = df.jit(lambda a: a + 1, backend="cudagraph")
+    torch.testing.assert_close(fast(x), x + 1)
+    assert graph() is None                          # destroyed by the next capture of ours
