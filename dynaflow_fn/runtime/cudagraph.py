@@ -26,6 +26,11 @@ from cleared workspaces, making cuBLAS allocate fresh ones inside this graph's p
 only this graph uses and which lives as long as it does; and clears them again afterwards, so that
 eager work never reuses memory the graph writes into during its replays.
 
+Python's cyclic collector and captures. A dropped jitted function is cyclic garbage, and destroying
+its graph while a stream captures invalidates that capture. So the collector is paused over each of
+our captures (`without_automatic_gc`), and a graph whose executable the collector frees inside
+someone else's capture (torch.compile's, a hand-written one) is destroyed after it (`_release_graph`).
+
 What an executable holds, `held_bytes`, is counted in two parts, neither of which sees cuBLAS's
 workspaces or the allocator's cache come and go: the buffers bound before the warm-up
 (`torch.cuda.memory_allocated` grows by them), and the segments the capture added to the caching
