@@ -33,7 +33,15 @@ from .calls import (
     torch_function_modes,
 )
 from .modules import module_tensor_dicts, observe_module_changes
-from .operators import OpOverload, StorageWeakRef, has_internal_overlap, has_kernel_for, op_schema
+from .operators import (
+    OpOverload,
+    StorageAlias,
+    StorageWeakRef,
+    has_internal_overlap,
+    has_kernel_for,
+    op_schema,
+    storage_alias,
+)
 from .tracing import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -52,7 +60,7 @@ from .tracing import (
 
 __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "OpOverload",
-    "StorageWeakRef", "module_tensor_dicts",
+    "StorageAlias", "StorageWeakRef", "module_tensor_dicts", "storage_alias",
     "UnsupportedOperatorException", "compile_with_inductor", "default_store", "functional_collectives",
     "fx_tracing_flag_cleared", "current_trace_graph", "has_internal_overlap", "has_kernel_for", "inductor_compiler",
     "make_fx", "op_schema",

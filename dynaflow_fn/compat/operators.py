@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+from typing import Callable, NamedTuple
+
 import torch
+import torch.utils.dlpack
 
 from torch.multiprocessing.reductions import StorageWeakRef
 """A hashable, weak handle on a tensor's storage (fake storages included): which tensors alias."""
@@ -45,3 +50,51 @@ def has_internal_overlap(tensor: torch.Tensor) -> bool:
             return True
         reach += (size - 1) * stride
     return False
+
+
+class StorageAlias(NamedTuple):
+    """All of a storage's memory as one flat `tensor` on a storage of its own, that storage's one Python
+    object (`storage`: what `untyped_storage()` of any tensor on it returns), and `tensors_holding()`:
+    how many tensors hold that storage now (a C function)."""
+
+    tensor: torch.Tensor
+    storage: torch.UntypedStorage
+    tensors_holding: Callable[[], int]
+
+
+def storage_alias(tensor: torch.Tensor) -> StorageAlias | None:
+    """A second storage over the memory of `tensor`'s storage, whose holders can be counted: the only
+    storage that shares memory with another without sharing its reference count.
+
+    The alias comes from DLPack (public): `from_dlpack` wraps the memory in a new storage whose deleter
+    keeps the original alive, so a view of the alias stays valid however long it is kept. Its holders
+    are counted two ways, both needed: tensors by `torch._C._storage_Use_Count` (private: what
+    torch.compile's CUDA graphs count their outputs' holders with), and the storage's Python object,
+    which that count does not see, by its Python reference count. Both are seen to rise, by one for a
+    view and for the storage object, before the alias is handed back. None where the count is missing or
+    the memory cannot be wrapped (a dtype DLPack lacks, a storage not a whole number of elements):
+    callers then copy instead."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = tensor.untyped_storage()
+    itemsize = tensor.element_size()
+    if use_count is None or storage.nbytes() == 0 or storage.nbytes() % itemsize:
+        return None
+    whole = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, (storage.nbytes() // itemsize,))
+    try:
+        alias = torch.utils.dlpack.from_dlpack(whole)
+    except (RuntimeError, TypeError, ValueError, BufferError):
+        return None
+    own = alias.untyped_storage()
+    if own._cdata == storage._cdata or alias.data_ptr() != storage.data_ptr():
+        return None
+    del whole, storage
+    tensors_holding = functools.partial(use_count, own._cdata)
+    tensors, objects = tensors_holding(), sys.getrefcount(own)
+    probe = alias[:1]
+    seen_view = tensors_holding() == tensors + 1
+    probe = probe.untyped_storage()
+    seen_storage = sys.getrefcount(own) > objects
+    del probe
+    if not (seen_view and seen_storage) or (tensors_holding(), sys.getrefcount(own)) != (tensors, objects):
+        return None
+    return StorageAlias(alias, own, tensors_holding)

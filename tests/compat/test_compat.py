@@ -169,6 +169,23 @@ def test_data_ptrs_equal_and_its_python_fallback_agree():
         assert not equal([a, b], [None, a.data_ptr()], [1])
 
 
+def test_a_storage_alias_shares_memory_counts_its_holders_and_without_the_count_is_none(monkeypatch):
+    tensor = torch.arange(8.0)
+    alias = compat.storage_alias(tensor[2:])
+    assert alias.tensor.data_ptr() == tensor.data_ptr() and alias.tensor.shape == (8,)
+    assert alias.tensor.untyped_storage()._cdata != tensor.untyped_storage()._cdata
+    alone = alias.tensors_holding(), sys.getrefcount(alias.storage)
+    view = alias.tensor[3:5]
+    assert alias.tensors_holding() > alone[0]
+    storage = view.untyped_storage()
+    del view
+    assert storage is alias.storage and sys.getrefcount(alias.storage) > alone[1]
+    del storage
+    assert (alias.tensors_holding(), sys.getrefcount(alias.storage)) == alone
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert compat.storage_alias(tensor) is None
+
+
 @contextlib.contextmanager
 def _meta_kernel_replaced(op: torch._ops.OpOverload, kernel: Callable[..., Any]) -> Iterator[None]:
     """`kernel` as the meta kernel of `op` inside the block, the original one again after it.
