@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import dynaflow_fn as df
+from dynaflow_fn.runtime.cudagraph import HANDED_OUT_CAPTURES
 from fixtures import run_together
 from models import DropoutNet
 
@@ -65,7 +66,7 @@ def test_threads_on_one_graph_get_their_own_results():
 
     run_together(work, threads=4)
     assert not wrong, f"wrong results in threads {sorted(set(wrong))}"
-    assert fast.cache_info().captures == 1
+    assert fast.cache_info().captures <= HANDED_OUT_CAPTURES + 1    # results held by the other threads
 
 
 def test_aliased_written_arguments_are_refused_on_the_graph_backend():

@@ -8,8 +8,9 @@ backward pass; and the backward, from those saved tensors and the outputs' gradi
 gradients. AOTAutograd wraps them in an autograd.Function, so `loss.backward()` and an optimizer
 step outside work as in eager PyTorch. Its contracts, and how each is kept:
 
-* saved tensors are read by a later call: df.jit's outputs are fresh tensors (never `static_outputs`,
-  whose buffers the next forward overwrites), and outputs that are views are real views (`views`);
+* saved tensors are read by a later call: df.jit never overwrites an output a caller still holds
+  (never `static_outputs`, whose buffers the next forward overwrites; see `runtime.handouts`), and
+  outputs that are views are real views (`views`);
 * the graphs take one list of arguments (`compat.boxed`) and may take sizes (`Specialized`);
 * gradients may arrive with any strides: df.jit plans per layout, as for any input.
 

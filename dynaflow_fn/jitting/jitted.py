@@ -308,8 +308,8 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
         another tensor there captures again. Model state is resident unnamed (parameters, `df.pure`'s
         tensors, `mark_static_address`, donated, closed-over and updated tensors: see
         `dynaflow_fn.jitting.state`); a tensor given a new layout traces again, one moved captures again.
-    static_outputs: return the plan's own output buffers instead of fresh copies (CUDA-graph runtime):
-        faster, but the next call overwrites them.
+    static_outputs: CUDA graphs hand out their output buffers, replayed only while no caller holds them
+        (README, aliasing rule); with this, one graph's on every call: the next call overwrites them.
     strategy: None (the default) runs `fn` as given (`df.jit(T.overlap(fn, strategy="tbo"))` fixes one);
         "auto" times candidate strategies on the device per input signature and keeps the fastest, never
         slower than no overlap, remembering the choice on disk (see `dynaflow_fn.jitting.autotune`).
@@ -334,7 +334,7 @@ def jit(fn: Callable[..., Any] | None = None, *, backend: str = "auto", donate_a
         strategy="auto" before any call: the plan without overlap).
     fast.plans(): every Plan built so far, one per input signature and program state, oldest first.
     fast.cache_info(): `CacheInfo(hits, misses, captures, entries, padded_rows, real_rows, graph_memory_bytes)`:
-        cached calls, planned calls, captures, plans held, rows padded and real, memory the captures took.
+        cached calls, planned calls, captures (for held results too), plans, padded and real rows, memory.
     fast.clear_cache(): forget every plan (freed once no output refers to it), after changing Python state
         tracing read and no per-call check sees (a module attribute other than `training`, a global).
     fast.pipeline: the stages a plan is built by; `fast.pipeline.run(*args, **kwargs)` returns every

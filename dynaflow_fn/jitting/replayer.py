@@ -147,17 +147,21 @@ class Replayer:
                 with self._cold_start_phase("capture"):
                     self.executable = CudaGraphExecutable(
                         plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
-                        self.static_outputs, self.memory, previous)
-                # The replaced graph's private pool goes with it; a shared pool stays, held by the other buckets.
-                released = previous.pool_bytes if previous is not None and self.memory is None else 0
-                self.graph_memory_bytes += self.executable.held_bytes - released
-                self.on_capture()
+                        self.static_outputs, self.memory, previous, self._captured_more)
+                # The replaced graphs' private pools go with them; a shared pool stays, held by the other buckets.
+                released = previous.private_bytes if previous is not None else 0
+                self._captured_more(self.executable.held_bytes - released)
             else:
                 self.executable = EagerExecutable(plan, plan.device, self.memory)
             if self.cold_start is not None:
                 self.cold_start.finish()
                 self.cold_start = None
             return self.executable
+
+    def _captured_more(self, nbytes: int) -> None:
+        """Count a capture that holds `nbytes` more of device memory."""
+        self.graph_memory_bytes += nbytes
+        self.on_capture()
 
     def _note_moved(self, tensors: Sequence[torch.Tensor], moved_from: CudaGraphExecutable) -> None:
         """A resident input that arrives at a new address forces a new capture. State that is replaced

@@ -17,9 +17,9 @@ largest plan:
 
 Sharing is sound because the executables take one set of `Turns`: a call (or a capture, which runs
 the plan once to warm up) holds them while it writes the shared buffers, and nothing in them outlives
-a call. Arena buffers are scratch; outputs are copied out before the turn ends (or, with
-`static_outputs`, overwritten by the next call, whichever bucket it runs); setup results are constants
-of each plan, allocated apart.
+a call. Arena buffers are scratch; outputs are handed out while no caller holds the last ones, which
+takes one `Handouts` per output buffer, seen by every bucket (or, with `static_outputs`, overwritten by
+the next call, whichever bucket it runs); setup results are constants of each plan, allocated apart.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .handouts import Handouts
 from .interpreter import byte_buffer
 from .turns import Turns
 
@@ -47,19 +48,30 @@ class SharedPool:
         self._bytes: dict[str, torch.Tensor] = {}
         self._inputs: dict[tuple, torch.Tensor] = {}
         self._streams: dict[tuple[int, int], Any] = {}
+        self._handouts: dict[str, Handouts] = {}
         self._lock = threading.Lock()
 
-    def buffer(self, role: str, nbytes: int) -> torch.Tensor:
-        """`nbytes` of the buffer for `role` ("arena", "outputs"): the first request allocates it."""
+    def buffer(self, role: str, nbytes: int, sized_like: str | None = None) -> torch.Tensor:
+        """`nbytes` of the buffer for `role` ("arena", "outputs"): the first request allocates it, at
+        least as large as the buffer of `sized_like` if there is one (the first plan to ask for the
+        outputs of a later capture may be any bucket's, not the largest's)."""
         with self._lock:
             held = self._bytes.get(role)
             if held is None:
-                held = self._bytes[role] = byte_buffer(nbytes, self.device)
+                like = self._bytes.get(sized_like) if sized_like is not None else None
+                held = self._bytes[role] = byte_buffer(max(nbytes, like.numel() if like is not None else 0),
+                                                       self.device)
                 self.shared_bytes += held.numel()
             elif held.numel() < nbytes:
                 self.own_bytes += nbytes
                 return byte_buffer(nbytes, self.device)
             return held[:max(nbytes, 16)]
+
+    def handouts(self, role: str) -> Handouts:
+        """What hands out the output buffer for `role` (see `runtime.handouts`): one for every plan bound
+        in it, so that a call of any bucket sees what callers hold of another's results."""
+        with self._lock:
+            return self._handouts.setdefault(role, Handouts())
 
     def static_input(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """A buffer for input `index` with the layout of `like`: a view of the first buffer of that input

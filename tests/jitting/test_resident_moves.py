@@ -17,9 +17,10 @@ from dynaflow_fn.runtime.eager import EagerExecutable
 class AddressBoundExecutable(EagerExecutable):
     """Interprets the plan, but refuses resident inputs at other addresses than the ones it was built on."""
 
-    held_bytes = pool_bytes = 0
+    held_bytes = private_bytes = 0
 
-    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None):
+    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None,
+                 on_capture=None):
         super().__init__(plan, device, memory)
         self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
         self.addresses = {i: inputs[i].data_ptr() for i in self.resident}
@@ -87,10 +88,11 @@ class HoldingExecutable(AddressBoundExecutable):
     """Holds 3 MiB: 1 MiB of bound buffers (a replacement takes them over) and 2 MiB its capture added to
     its private pool (which goes with it)."""
 
-    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None):
+    def __init__(self, plan, device, inputs, resident, static_outputs=False, memory=None, previous=None,
+                 on_capture=None):
         super().__init__(plan, device, inputs, resident, static_outputs, memory, previous)
-        self.pool_bytes = 2 << 20
-        self.held_bytes = self.pool_bytes + (0 if previous is not None else 1 << 20)
+        self.private_bytes = 2 << 20
+        self.held_bytes = self.private_bytes + (0 if previous is not None else 1 << 20)
 
 
 def test_graph_memory_counts_a_replaced_capture_once(address_bound_runtime, monkeypatch):
