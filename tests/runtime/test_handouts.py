@@ -224,7 +224,7 @@ def test_a_result_of_one_bucket_is_not_overwritten_by_a_call_of_another():
         kept = (kept + [(fast(w, x), _expected(w, x))])[-2:]
         for got, expected in kept:
             _close(got, expected)
-    assert fast.cache_info().captures <= 2 * fast.cache_info().entries
+    assert fast.cache_info().captures <= (HANDED_OUT_CAPTURES + 1) * fast.cache_info().entries   # two held: copies
 
 
 @pytest.mark.cuda
