@@ -146,14 +146,15 @@ outputs are copied out: a caller that keeps each call's results while it makes t
 class Capture:
     """One capture of an executable's plan: its graph, and how a replay's results are made from what
     the graph wrote, per output: the input returned as it is (`from_input`: its index, or None), a
-    handout of the graph's own buffer (`makers`), or a clone. `handouts` is None where nothing is
-    handed out."""
+    handout of the graph's own buffer (`makers`), or a clone. `handouts` is what hands out the memory
+    the graph writes, None for a capture whose outputs are all copied out. A capture of a bucket plan
+    keeps its pool's `handouts` even if it hands out nothing itself: other buckets' results in the
+    buffer it writes count."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Sequence[torch.Tensor], slots: Sequence[int],
                  from_input: Sequence[int | None], pool_bytes: int, handouts: Handouts | None,
                  makers: Sequence[Callable[[], torch.Tensor] | None]):
-        self.graph, self.outputs, self.pool_bytes = graph, list(outputs), pool_bytes
-        self.handouts = handouts if any(makers) else None
+        self.graph, self.outputs, self.pool_bytes, self.handouts = graph, list(outputs), pool_bytes, handouts
         self.results_from = list(zip(self.outputs, slots, from_input, makers))
 
     def free(self) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn.runtime.cudagraph import HANDED_OUT_CAPTURES
+from dynaflow_fn.runtime.cudagraph import HANDED_OUT_CAPTURES, Capture
 from dynaflow_fn.runtime.handouts import Handouts
 
 
@@ -75,6 +75,18 @@ def test_a_handout_stays_valid_after_the_memory_it_aliases_is_let_go_of():
     gc.collect()
     reused = [torch.zeros(1024) for _ in range(8)]
     assert torch.equal(out, torch.full((1024,), 3.0)) and len(reused) == 8
+
+
+def test_a_capture_that_hands_out_nothing_itself_waits_while_its_shared_buffer_is_held():
+    """A bucket plan whose outputs are all copied out still writes the output buffer the other buckets
+    hand out: a result of theirs held there keeps it from replaying."""
+    buffer = torch.randn(16)
+    shared = Handouts()
+    held = shared.makers([buffer[:8]])[0]()
+    copying = Capture(None, [buffer[8:]], [0], [None], 0, shared, [None])
+    assert not copying.free()
+    del held
+    assert copying.free() and torch.equal(copying.results([])[0], buffer[8:])
 
 
 def test_memory_that_cannot_be_aliased_gets_no_maker(monkeypatch):
