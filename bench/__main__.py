@@ -1,6 +1,6 @@
 """Run every benchmark this machine can run, then write the report.
 
-    python -m bench              # 1 GPU: overhead, single_gpu, inductor, substitute, train, streams, coldstart, serving;
+    python -m bench              # 1 GPU: overhead, host_parts, single_gpu, inductor, substitute, train, streams, coldstart, serving;
                                  # N >= 2 GPUs: also tp and dp under torchrun;
                                  # no GPU: only the trace + lower timing (bench.overhead --trace), nothing written
     python -m bench --report     # only rebuild bench/results/README.md and the plots from the JSON files
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-SINGLE_GPU = ("bench.overhead", "bench.single_gpu", "bench.inductor", "bench.substitute", "bench.train", "bench.streams",
+SINGLE_GPU = ("bench.overhead", "bench.host_parts", "bench.single_gpu", "bench.inductor", "bench.substitute", "bench.train", "bench.streams",
               "bench.coldstart", "bench.serving")
 MULTI_GPU = ("bench.tp", "bench.dp")
 

@@ -14,7 +14,8 @@ from bench.plot import plot
 COLUMNS = ("case", "tree", "variant", "caches", "median_ms", "p10_ms", "p90_ms", "speedup_vs_compile", "speedup_vs_baseline",
            "speedup_vs_best_compile", "speedup_vs_df", "speedup_vs_eager", "back_to_back_ms", "back_to_back_speedup",
            "ratio_vs_hand_graph", "hidden_fraction", "peak_mem_mb", "mem_vs_baseline", "build_s", "first_call_s",
-           "ready_s", "choice", "probe_wait_us", "probe_waited", "gemm_slowdown", "host_us_per_call", "ratio_vs_this_tree",
+           "ready_s", "choice", "probe_wait_us", "probe_waited", "gemm_slowdown", "host_us_per_call", "share_of_call",
+           "ratio_vs_this_tree",
            "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "rounds", "vs_hf_compile_ro", "vs_compile_ro",
            "first_generate_s", "sizes_planned", "first_pass_s", "first_pass_per_size_s", "captures", "graph_mb",
            "allocated_mb", "reserved_mb", "padding_waste", "tokens_match", "mismatched", "total_s", "rel_err", "error")
