@@ -42,10 +42,8 @@ import torch
 from torch import nn
 
 import dynaflow_fn as df
-from bench.common import (COMPILE, DF, compiled, jitted, print_table, time_host, time_variants, with_speedup_vs_compile,
-                          write_results)
-from dynaflow_fn.compat import clear_cublas_workspaces
-from dynaflow_fn.runtime.cudagraph import without_automatic_gc
+from bench.common import (COMPILE, DF, capture_graph, compiled, jitted, print_table, time_host, time_variants,
+                          with_speedup_vs_compile, write_results)
 
 WIDTH, LAYERS = 512, 16
 
@@ -70,21 +68,15 @@ class LaunchBound(nn.Module):
 
 
 def hand_graph(model: nn.Module, example: torch.Tensor):
+    """A torch.cuda.graph of the model, captured by hand (`bench.common.capture_graph`): a call copies the
+    input in, replays and clones the output."""
     static_x = example.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    clear_cublas_workspaces()                     # see bench.common.capture_graph
-    with without_automatic_gc(), torch.cuda.graph(graph), torch.no_grad():
-        static_y = model(static_x)
+    with torch.no_grad():
+        replay, static_y = capture_graph(lambda: model(static_x), warmup=3)
 
     def call(x):
         static_x.copy_(x)
-        graph.replay()
+        replay()
         return static_y.clone()
     return call
 
