@@ -17,6 +17,10 @@ names below say which), with the device queue nearly empty:
   input copy_                  one copied-in input
   handouts                     whether a caller holds the last outputs, and the new handouts
   turns                        the lock and stream check calls take turns with
+  resident addresses           the check that every resident input is at its captured address
+  free capture                 the choice of a capture no caller holds the outputs of
+  load inputs                  the copied-in inputs' copies, with their checks
+  executable, replay left out  the executable with its graph's replay made a no-op
 
 Host microseconds per part: the median over rounds of `inner` calls each, the device synchronized
 between rounds. Written to bench/results/overhead-parts.json.
@@ -30,6 +34,7 @@ import optree
 import torch
 
 import dynaflow_fn as df
+from dynaflow_fn import compat
 from bench.common import print_table, time_host, write_results
 from bench.overhead import LAYERS, WIDTH, LaunchBound, hand_graph
 from dynaflow_fn.jitting.guard import call_state
@@ -72,6 +77,13 @@ def part_rows() -> list[dict]:
         parts["input copy_"] = host_us(lambda: static.copy_(x))
         parts["handouts"] = host_us(lambda: capture.free() and capture.results(tensors))
         parts["turns"] = host_us(lambda: (turns.__enter__(), turns.__exit__(None, None, None)))
+        parts["resident addresses"] = host_us(
+            lambda: compat.data_ptrs_equal(tensors, executable.addresses, executable.resident))
+        parts["free capture"] = host_us(lambda: executable._free_capture(tensors))
+        parts["load inputs"] = host_us(lambda: executable._load_inputs(tensors))
+        capture.graph.replay = lambda: None
+        parts["executable, replay left out"] = host_us(lambda: executable(tensors))
+        del capture.graph.replay
     whole = parts["df call (params dict)"]
     case = f"{LAYERS} layers x {WIDTH}, batch 1, {len(tensors)} tensors"
     return [{"case": case, "variant": name, "host_us_per_call": us, "share_of_call": us / whole}
