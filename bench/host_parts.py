@@ -7,9 +7,10 @@ names below say which), with the device queue nearly empty:
   df call (params dict)        fast(params, x), the whole call
   df call (closed over)        the same with the parameters closed over: fast(x)
   hand graph                   a torch.cuda.graph captured by hand: copy the input, replay, clone the output
-  guard.flatten                the call's leaves by the last call's structure
-  call_state()                 the process-wide state a plan depends on (grad mode, autocast, ...)
-  guard.admits                 the per-call check: every leaf, the module flags, the state
+  call_state()                 the process-wide state a plan depends on (autocast, matmul precision, ...)
+  guard.admitted_leaves        the per-call check: the call's leaves by the last call's structure, every
+                               leaf, the module flags, the state
+  guard.flatten_known          its flatten, by a function written for the structure (`call.flattener`)
   guard.fit (C++)              its check of the leaves, one call into torch's C++ guards
   replayer.replay              the part after the guard: the executable and the outputs' structure
   executable                   the CUDA-graph executable: input copy, replay, handing out the outputs
@@ -67,9 +68,9 @@ def part_rows() -> list[dict]:
         parts["df call (params dict)"] = host_us(lambda: fast(params, x))
         parts["df call (closed over)"] = host_us(lambda: closed(x))
         parts["hand graph"] = host_us(lambda: hand(x))
-        parts["guard.flatten"] = host_us(lambda: guard.flatten(call))
         parts["call_state()"] = host_us(call_state)
-        parts["guard.admits"] = host_us(lambda: guard.admits(guard.treedef, leaves, state, call))
+        parts["guard.admitted_leaves"] = host_us(lambda: guard.admitted_leaves(call, state))
+        parts["guard.flatten_known"] = host_us(lambda: guard.flatten_known(call))
         parts["guard.fit (C++)"] = host_us(lambda: guard.fit((leaves, guard.fixed)))
         parts["replayer.replay"] = host_us(lambda: replayer.replay(leaves))
         parts["executable"] = host_us(lambda: executable(tensors))

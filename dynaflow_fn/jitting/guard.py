@@ -36,7 +36,6 @@ instead, to compare the two or to rule this one out.
 
 from __future__ import annotations
 
-import collections
 import operator
 import os
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from .. import compat
 from ..errors import GradientError, InputError
 from ..ir.tree import leaf_key, picker
 from . import object_watch
+from .call import DictNodes, flattener
 
 _TRAINING = operator.attrgetter("training")
 
@@ -129,7 +129,10 @@ class Guard:
     def __init__(self, treedef: Any, leaves: Sequence[Any], state: tuple, modules: Sequence[torch.nn.Module] = (),
                  closed_over: Sequence[torch.Tensor] = (), watch: Any = None):
         self.treedef = treedef
-        self.dicts = DictNodes.of(optree.tree_unflatten(treedef, leaves))  # the structure keeps this call's order
+        tree = optree.tree_unflatten(treedef, leaves)                     # the structure keeps this call's order
+        self.dicts = DictNodes.of(tree)
+        known = flattener(tree)
+        self.flatten_known = known[0] if known is not None else None
         self.state = state
         self.watch = watch if watch is not None and watch.watches_anything else None
         self.modules_only = self.watch is not None and not self.watch.instances   # then the counter says it all
@@ -151,80 +154,29 @@ class Guard:
         except (ValueError, TypeError):
             return None
 
+    def admitted_leaves(self, call: tuple, state: tuple) -> list[Any] | None:
+        """The leaves of a call `(args, kwargs)` made in `state`, if it fits; None if not, or if its
+        structure differs in a way only a new flatten tells apart. With a flattener of the structure
+        (`call.flattener`), the structure and its dicts are checked while flattening."""
+        if self.flatten_known is None:
+            leaves = self.flatten(call)
+            return leaves if leaves is not None and self.admits(self.treedef, leaves, state, call) else None
+        leaves = self.flatten_known(call)
+        return leaves if leaves is not None and self._fits(leaves, state) else None
+
     def admits(self, treedef: Any, leaves: Sequence[Any], state: tuple, call: tuple | None = None) -> bool:
         """Whether a call flattened to (treedef, leaves) fits; `call` is its (args, kwargs), if at hand."""
-        watch, dicts = self.watch, self.dicts
-        return (treedef == self.treedef and state == self.state and self.fit((leaves, self.fixed))
-                and (not dicts.nodes or dicts.match(optree.tree_unflatten(treedef, leaves) if call is None else call))
+        dicts = self.dicts
+        return (treedef == self.treedef and self._fits(leaves, state)
+                and (not dicts.nodes or dicts.match(optree.tree_unflatten(treedef, leaves) if call is None else call)))
+
+    def _fits(self, leaves: Sequence[Any], state: tuple) -> bool:
+        """Whether leaves of this guard's structure, in `state`, fit: the leaves, the modules' flags and
+        Python state, the closed-over tensors."""
+        watch = self.watch
+        return (state == self.state and self.fit((leaves, self.fixed))
                 and (watch is None or (watch.tick == object_watch.changes.tick and self.modules_only)
                      or watch.unchanged()))
-
-
-@dataclass(frozen=True)
-class DictNodes:
-    """The dicts in a call's `(args, kwargs)`: where each is, its type and its key order.
-
-    optree's structure sorts a dict's keys, so two dicts that differ only in insertion order flatten
-    to equal structures. A function that iterates a dict argument (`for w in params.values()`) sees
-    that order, and a plan traced with one order must not serve a call with another: the order is
-    part of a call's signature. And `treedef.flatten_up_to`, which flattens a call by the structure of
-    the last one at a tenth of the cost of a new flatten, takes an OrderedDict or a defaultdict where
-    a dict was: the type is checked here too. `nodes` holds (path, type, keys) per dict, the path a
-    sequence of subscripts from `(args, kwargs)`, so that a later call is checked by looking up a few
-    dicts; a dict below a container that is no tuple, list or dict (a registered pytree node, a
-    namedtuple) makes the check walk the whole tree instead (`opaque`). An OrderedDict's own structure
-    keeps its order.
-    """
-
-    nodes: tuple[tuple[tuple, type, tuple], ...]
-    opaque: bool
-
-    @classmethod
-    def of(cls, tree: Any) -> "DictNodes":
-        nodes: list[tuple[tuple, type, tuple]] = []
-        opaque = _collect_dicts(tree, (), nodes, False)
-        return cls(tuple(nodes), opaque)
-
-    def match(self, tree: Any) -> bool:
-        """Whether `tree`, of the structure of the tree these were taken from, has the same dicts."""
-        if self.opaque:
-            return DictNodes.of(tree) == self
-        for path, kind, keys in self.nodes:
-            node = tree
-            for step in path:
-                node = node[step]
-            if type(node) is not kind or tuple(node) != keys:
-                return False
-        return True
-
-
-_DICTS = frozenset({dict, collections.OrderedDict, collections.defaultdict})
-_NOT_CONTAINERS = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
-
-
-def _collect_dicts(node: Any, path: tuple, nodes: list, below_other: bool) -> bool:
-    """Append the (path, type, keys) of every dict under `node` to `nodes`; whether one lies below a
-    container that is no tuple, list or dict."""
-    kind = type(node)
-    if kind in _NOT_CONTAINERS:
-        return False
-    if kind in _DICTS:
-        nodes.append((path, kind, tuple(node)))
-        opaque = below_other
-        for key, value in node.items():
-            opaque |= _collect_dicts(value, (*path, key), nodes, below_other)
-        return opaque
-    if kind is tuple or kind is list:
-        opaque = False
-        for index, value in enumerate(node):
-            opaque |= _collect_dicts(value, (*path, index), nodes, below_other)
-        return opaque
-    if optree.tree_is_leaf(node):
-        return False
-    opaque = False
-    for child in optree.tree_flatten_one_level(node)[0]:
-        opaque |= _collect_dicts(child, path, nodes, True)
-    return opaque
 
 
 def _python_check(leaves: Sequence[Any], modules: Sequence[torch.nn.Module],

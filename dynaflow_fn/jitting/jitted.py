@@ -9,8 +9,9 @@ whose flag the trace read, and the tensors the function closes over (resident, l
 A call that would compute something other than `fn` is refused with a named error instead: arguments
 that share memory with one the plan writes, or backward through a plan's outputs.
 
-The path of a call: `Jitted.__call__` flattens the arguments by the structure of the last call
-(`Guard.flatten`, a tenth of a new flatten) and the last plan's `Guard` admits the call (`guard`);
+The path of a call: `Jitted.__call__` flattens the arguments by the structure of the last call and
+the last plan's `Guard` admits the call (`Guard.admitted_leaves`: a function written for that
+structure, `call.flattener`, flattens and checks its dicts in one pass, a tenth of a new flatten);
 else it flattens them anew and the cache finds or builds a `Replayer` by the signature; a miss runs the
 `Pipeline` (trace -> passes -> lower -> verify) and binds the Plan to the call (`Binding`);
 `strategy="auto"` chooses among candidate functions (`autotune`). With `buckets`, `bucketing` pads the
@@ -117,11 +118,14 @@ class Jitted:
             leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:
             if last is not None and last.guard is not None and self.bucketing is None:
-                leaves = last.guard.flatten(call)           # by the last call's structure: a tenth of a flatten
+                leaves = last.guard.admitted_leaves(call, call_state())   # by the last call's structure
                 if leaves is not None:
-                    outputs, replayed = self._replay(leaves, last.guard.treedef, last, call)
-                    if replayed:
+                    try:
+                        outputs = last.replay(leaves)
+                        self.hits += 1
                         return outputs
+                    except ResidentInputMoved:
+                        pass
                 last = None                                 # asked already
             leaves, treedef = optree.tree_flatten(call)
         if self.bucketing is not None:

@@ -12,7 +12,8 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn.jitting import guard as guard_module
-from dynaflow_fn.jitting.guard import DictNodes, Guard, call_state
+from dynaflow_fn.jitting.call import DictNodes
+from dynaflow_fn.jitting.guard import Guard, call_state
 
 
 @pytest.fixture(params=["native", "python"])
