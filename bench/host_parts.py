@@ -81,7 +81,7 @@ def part_rows() -> list[dict]:
         parts["resident addresses"] = host_us(
             lambda: compat.data_ptrs_equal(tensors, executable.addresses, executable.resident))
         parts["free capture"] = host_us(lambda: executable._free_capture(tensors))
-        parts["load inputs"] = host_us(lambda: executable._load_inputs(tensors))
+        parts["load inputs"] = host_us(lambda: executable.copy_in(tensors))
         capture.graph.replay = lambda: None
         parts["executable, replay left out"] = host_us(lambda: executable(tensors))
         del capture.graph.replay

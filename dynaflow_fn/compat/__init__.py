@@ -24,6 +24,7 @@ from .calls import (
     any_autocast_enabled,
     current_stream_id,
     data_ptrs_equal,
+    foreach_copy,
     dispatch_mode_depth,
     functorch_interpreter,
     matmul_setting_readers,
@@ -66,7 +67,7 @@ __all__ = [
     "make_fx", "op_schema",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_modes", "matmul_setting_readers", "no_backward_node",
-    "data_ptrs_equal", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
+    "data_ptrs_equal", "foreach_copy", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "refusing_generator_arguments", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
     "observe_module_changes", "dispatch_mode_depth", "recording_mode_active", "functorch_interpreter", "in_backward",
 ]

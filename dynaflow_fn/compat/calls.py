@@ -119,6 +119,17 @@ def _data_ptrs_equal_in_python(tensors: Sequence[torch.Tensor], data_ptrs: Seque
     return all(tensors[i].data_ptr() == data_ptrs[i] for i in indices)
 
 
+def _foreach_copy_in_python(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source)
+
+
+foreach_copy: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] = (
+    getattr(torch, "_foreach_copy_", None) or _foreach_copy_in_python)
+"""`foreach_copy(destinations, sources)`: `destinations[i].copy_(sources[i])` for every i, in one call
+(`torch._foreach_copy_`: on CUDA one kernel for dense tensors of one dtype and device)."""
+
+
 def _current_stream_id_in_python(device_index: int) -> Any:
     stream = torch.cuda.current_stream(device_index)
     return stream.stream_id, stream.device_index, stream.device_type

@@ -9,8 +9,8 @@ different address, the executable reports it and `jit` captures again. The graph
 inputs by address and keeps no reference to them: memory the caller lets go of (the KV cache of an
 earlier transformers generate() call) is freed at once, not when the graph is next captured.
 
-A call is: copy the copied-in inputs, replay, then hand out the graph's own output buffers, no
-copy made (`runtime.handouts`). A replay overwrites those buffers, so a call replays only a capture
+A call is: copy the copied-in inputs in (`copy_in`: one copy per dtype), replay, then hand out the
+graph's own output buffers, no copy made (`runtime.handouts`). A replay overwrites those buffers, so a call replays only a capture
 whose outputs no caller holds any more. A caller that keeps one call's results while it makes the
 next (`loss = step(batch)` in a loop) holds the outputs of the capture it last ran, so the call
 captures the plan again, into outputs of its own (`_another_capture`), and the two alternate; only a
@@ -82,6 +82,7 @@ import torch
 from .. import compat
 from ..errors import ResidentInputMoved
 from ..plan.plan import Plan, StorageKind
+from .copy_in import CopyIn
 from .handouts import Handouts
 from .interpreter import BoundPlan, view_of
 from .shared_pool import SharedPool
@@ -201,6 +202,7 @@ class CudaGraphExecutable:
             self.static_inputs = [tensor if is_resident else self._static_input(i, tensor, device, previous)
                                   for i, (tensor, is_resident) in enumerate(zip(inputs, resident))]
             self.copied = [i for i, is_resident in enumerate(resident) if not is_resident]
+            self.copy_in = CopyIn(self.static_inputs, self.copied, inputs, device)
             self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
             self.addresses = [tensor.data_ptr() if is_resident else None
                               for tensor, is_resident in zip(inputs, resident)]
@@ -269,7 +271,7 @@ class CudaGraphExecutable:
         """Run once outside a graph (lazy library initialization must not be captured), on clones of the
         inputs the plan writes, so the caller's tensors change only when the call really runs, and into
         outputs of its own: a caller may hold the graph's (those of the executable this one replaces)."""
-        self._load_inputs(inputs)
+        self.copy_in(inputs)
         warm_env = list(env)
         self.bound.allocate_outputs(warm_env)
         for i in self.written_inputs:
@@ -337,18 +339,12 @@ class CudaGraphExecutable:
         if self.on_capture is not None:
             self.on_capture(bound_bytes + capture.pool_bytes)
 
-    def _load_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        for i in self.copied:
-            source = inputs[i]
-            if source is not self.static_inputs[i]:
-                self.static_inputs[i].copy_(source.detach() if source.requires_grad else source)
-
     def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[Any]:
         if not compat.data_ptrs_equal(inputs, self.addresses, self.resident):
             raise ResidentInputMoved()
         with self.turns:
             capture = self._free_capture(inputs)
-            self._load_inputs(inputs)
+            self.copy_in(inputs)
             capture.graph.replay()
             if self.write_back:
                 with torch.no_grad():

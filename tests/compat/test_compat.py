@@ -169,6 +169,15 @@ def test_data_ptrs_equal_and_its_python_fallback_agree():
         assert not equal([a, b], [None, a.data_ptr()], [1])
 
 
+def test_foreach_copy_and_its_python_fallback_copy_every_pair():
+    assert compat.foreach_copy is getattr(torch, "_foreach_copy_", compat_calls._foreach_copy_in_python)
+    for copy in (compat.foreach_copy, compat_calls._foreach_copy_in_python):
+        sources = [torch.randn(3), torch.arange(4).reshape(2, 2), torch.randn(())]
+        destinations = [torch.empty_like(source) for source in sources]
+        copy(destinations, sources)
+        assert all(torch.equal(d, s) for d, s in zip(destinations, sources))
+
+
 def test_a_storage_alias_shares_memory_counts_its_holders_and_without_the_count_is_none(monkeypatch):
     tensor = torch.arange(8.0)
     alias = compat.storage_alias(tensor[2:])
