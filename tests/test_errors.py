@@ -365,3 +365,27 @@ def test_writing_an_inference_tensor_outside_inference_mode_is_refused_naming_it
         expected = x.clone()
         torch.testing.assert_close(fast(x), bump(expected))
         torch.testing.assert_close(x, expected)
+
+
+@pytest.mark.parametrize("guard_built", ["outside inference mode", "inside inference mode"])
+@pytest.mark.parametrize("python_guard", [False, True], ids=["native guard", "python guard"])
+def test_an_inference_tensor_written_by_a_call_the_guard_admits_is_refused_too(guard_built, python_guard, monkeypatch):
+    """Later calls skip the full cache lookup; the inference tensor is refused on that path too."""
+    if python_guard:
+        monkeypatch.setenv(df.jitting.guard.PYTHON_GUARD_ENV, "1")
+
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    fast = df.jit(bump)
+    normal = torch.randn(3)
+    with torch.inference_mode(guard_built == "inside inference mode"):
+        for _ in range(3):
+            fast(normal)
+    with torch.inference_mode():
+        x = torch.randn(3)
+    before = x.clone()
+    with pytest.raises(df.errors.InputError, match=r"writes x .*an inference tensor"):
+        fast(x)
+    assert torch.equal(x, before)

@@ -138,6 +138,10 @@ class Guard:
         self.modules_only = self.watch is not None and not self.watch.instances   # then the counter says it all
         self.fixed = (*modules, *closed_over)
         native = native_check(leaves, modules, closed_over)
+        # TENSOR_MATCH compares dispatch keys, and outside inference mode an inference tensor's lack the
+        # ADInplaceOrView key every other tensor has: a guard built there admits no inference tensor
+        # where the building call had none (a guard built inside inference mode may).
+        self.refuses_inference_tensors = native is not None and not torch.is_inference_mode_enabled()
         if native is None:
             self.fit = _python_check(leaves, modules, closed_over)
         elif native.python_positions:

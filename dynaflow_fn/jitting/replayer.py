@@ -85,7 +85,8 @@ class Replayer:
         memory, which may also mean a new layout (`t.data = ...`): the caller checks in full. Where
         every input the plan writes is resident, only the others are compared with the bytes those
         occupied in the last call checked in full (`WrittenBytes`)."""
-        return self.run(self.tensors_of(leaves), rebuild_if_moved=False, written_bytes=self.written_bytes)
+        return self.run(self.tensors_of(leaves), rebuild_if_moved=False, written_bytes=self.written_bytes,
+                        inference_checked=self.guard.refuses_inference_tensors)
 
     def prepare(self, leaves: Sequence[Any]) -> None:
         """Build the executable (capture its graph) for calls like this one, without running it."""
@@ -103,17 +104,18 @@ class Replayer:
         return lambda: self.run(tensors, rebuild_if_moved=True, resident=resident)
 
     def run(self, tensors: list[torch.Tensor], rebuild_if_moved: bool, resident: Sequence[bool] | None = None,
-            written_bytes: WrittenBytes | None = None) -> Any:
+            written_bytes: WrittenBytes | None = None, inference_checked: bool = False) -> Any:
         """Run the executable (built on first use) on its inputs and return the call's outputs.
         `resident` overrides `binding.resident(tensors)` for stand-ins of the caller's tensors;
-        `written_bytes` replaces the full aliasing check (see `replay`)."""
+        `written_bytes` replaces the full aliasing check (see `replay`); `inference_checked` says that a
+        guard admitted the call that refuses inference tensors where its call had none (see `Guard`)."""
         binding, executable = self.binding, self.executable
         if binding.written:
             if written_bytes is not None and written_bytes.executable is executable:
                 written_bytes.check(tensors, binding.names)
             else:
                 check_no_aliasing(tensors, binding.written, binding.names)
-            if not torch.is_inference_mode_enabled():
+            if not inference_checked and not torch.is_inference_mode_enabled():
                 check_no_inference_writes(tensors, binding.written, binding.names, binding.fn_name)
         if binding.updated_under_grad and torch.is_grad_enabled():
             check_updates_allowed(tensors, binding.updated_under_grad, binding.names, binding.fn_name)
