@@ -114,19 +114,19 @@ class Jitted:
         if ops_are_transformed():                  # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
             return self.fn(*args, **kwargs)
         call, last = (args, kwargs), self._last
+        if last is not None and last.guard is not None and self.bucketing is None:
+            leaves = last.guard.admitted_leaves(call, call_state())       # by the last call's structure
+            if leaves is not None:
+                try:
+                    outputs = last.replay(leaves)
+                    self.hits += 1
+                    return outputs
+                except ResidentInputMoved:
+                    pass
+            last = None                                     # asked already
         if not kwargs and _PLAIN_TENSORS.issuperset(map(type, args)):
             leaves, treedef = list(args), _positional_treedef(len(args))     # what optree would return, sooner
         else:
-            if last is not None and last.guard is not None and self.bucketing is None:
-                leaves = last.guard.admitted_leaves(call, call_state())   # by the last call's structure
-                if leaves is not None:
-                    try:
-                        outputs = last.replay(leaves)
-                        self.hits += 1
-                        return outputs
-                    except ResidentInputMoved:
-                        pass
-                last = None                                 # asked already
             leaves, treedef = optree.tree_flatten(call)
         if self.bucketing is not None:
             return self.bucketing.call(leaves, treedef)
