@@ -287,7 +287,7 @@ compat/calls.py hands out, so that file runs no Python on the way. (A static lea
 or a dataclass, adds `ir/tree.py`, where its key is defined.)"""
 
 RUNTIME_FILES = {"eager": {"runtime/eager.py", "runtime/turns.py", "runtime/interpreter.py", "plan/plan.py"},
-                 "cudagraph": {"runtime/cudagraph.py", "runtime/turns.py", "runtime/handouts.py"}}
+                 "cudagraph": {"runtime/cudagraph.py", "runtime/copy_in.py", "runtime/turns.py", "runtime/handouts.py"}}
 
 
 def _package_files_crossed(call):
@@ -343,8 +343,8 @@ def test_a_first_call_crosses_at_most_nine_files_of_jitting():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_a_later_call_on_the_cudagraph_runtime_crosses_six_files(grad):
-    """The three before the runtime, the runtime, its turn-taking lock and the count of who holds the
-    outputs it hands out."""
+def test_a_later_call_on_the_cudagraph_runtime_crosses_seven_files(grad):
+    """The three before the runtime, the runtime, the copies of its copied-in inputs, its turn-taking
+    lock and the count of who holds the outputs it hands out."""
     crossed = _later_call_files("cuda", "cudagraph", grad)
     assert "runtime/cudagraph.py" in crossed and crossed <= LATER_CALL_FILES | RUNTIME_FILES["cudagraph"], crossed
