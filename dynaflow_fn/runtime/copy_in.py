@@ -4,9 +4,11 @@ One `copy_` per input costs a dispatcher call and a launch (7 to 14 us of host t
 host), and a transformers decoding step copies in three inputs (token ids, positions, mask), its
 prefill ten. So the inputs of one dtype on the graph's device are copied by one
 `torch._foreach_copy_` (`compat.foreach_copy`): one call, and one kernel where every layout is dense
-(otherwise torch copies them one by one, as `copy_` would). An input of another device (a CPU tensor
-copied into a CUDA graph) or of a dtype no other input shares is copied by its own `copy_`. A source
-that requires grad is detached first: the copy belongs to no autograd graph.
+(otherwise torch copies them one by one, as `copy_` would). On an H200's host, in one process: the
+decode step's three inputs 19.0 us by copy_, 16.0 grouped; the prefill's ten 63.2 us and 9.8; a lone
+input 7.4 us and 5.7 (a foreach of one is cheaper than `copy_`). An input of another device (a CPU
+tensor copied into a CUDA graph) is copied by its own `copy_`. A source that requires grad is
+detached first: the copy belongs to no autograd graph.
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ class CopyIn:
 
     def __init__(self, buffers: Sequence[torch.Tensor | None], copied: Sequence[int],
                  examples: Sequence[torch.Tensor], device: torch.device):
-        groups: dict[torch.dtype, list[int]] = {}
+        by_dtype: dict[torch.dtype, list[int]] = {}
         for i in copied:
-            key = examples[i].dtype if examples[i].device == device else None
-            groups.setdefault(key, []).append(i)
-        batched = [indices for key, indices in groups.items() if key is not None and len(indices) > 1]
-        self.alone = [(i, buffers[i]) for indices in groups.values() if indices not in batched for i in indices]
-        self.batched = [(indices, [buffers[i] for i in indices]) for indices in batched]
+            if examples[i].device == device:
+                by_dtype.setdefault(examples[i].dtype, []).append(i)
+        self.batched = [(indices, [buffers[i] for i in indices]) for indices in by_dtype.values()]
+        self.alone = [(i, buffers[i]) for i in copied if examples[i].device != device]
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> None:
         for i, buffer in self.alone:
