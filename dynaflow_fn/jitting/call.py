@@ -208,7 +208,8 @@ class _Writer:
             keys = self.constant("keys", tuple(node))
             self.lines.append(f"if type({var}) is not dict or {'tuple(' + var + ') != ' + keys if node else var}: "
                               f"return None")
-            return self._children(var, optree.tree_flatten_one_level(node).entries, node)
+            entries = optree.tree_flatten_one_level(node)[2]     # a plain tuple in optree 0.13: by index
+            return self._children(var, entries, node)
         if optree.tree_is_leaf(node):
             self.lines.append(f"leaves.append({var})")
             return True
