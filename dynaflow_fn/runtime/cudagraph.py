@@ -10,18 +10,19 @@ inputs by address and keeps no reference to them: memory the caller lets go of (
 earlier transformers generate() call) is freed at once, not when the graph is next captured.
 
 A call is: copy the copied-in inputs in (`copy_in`: one copy per dtype), replay, then hand out the
-graph's own output buffers, no copy made (`runtime.handouts`). A replay overwrites those buffers, so a call replays only a capture
-whose outputs no caller holds any more. A caller that keeps one call's results while it makes the
-next (`loss = step(batch)` in a loop) holds the outputs of the capture it last ran, so the call
-captures the plan again, into outputs of its own (`_another_capture`), and the two alternate; only a
-caller that keeps more results than that gets copies, from a third capture, whose outputs are cloned
-on every call. Outputs that cannot be aliased are cloned from any capture, and outputs that are
-inputs are returned as they are. With `static_outputs` the one capture's buffers are handed out on
-every call, held or not: the caller asked for them to be overwritten. A handout read on another
-stream is safe where that stream is made to wait before the handout is let go of; `record_stream`,
-which protects a freed tensor from the caching allocator, does not reach memory the graph reuses.
-Calls take turns (`Turns`): the static buffers are shared. Capture restricts only its own thread's
-CUDA calls ("thread_local" mode), so other threads keep running CUDA work while a plan is captured.
+graph's own output buffers, no copy made (`runtime.handouts`). A replay overwrites those buffers, so
+a call replays only a capture whose outputs no caller holds any more. A caller that keeps one call's
+results while it makes the next (`loss = step(batch)` in a loop) holds the outputs of the capture it
+last ran, so the call captures the plan again, into outputs of its own (`_another_capture`), and the
+two alternate; only a caller that keeps more results than that gets copies, from a third capture,
+whose outputs are cloned on every call. Outputs that cannot be aliased are cloned from any capture,
+and outputs that are inputs are returned as they are. With `static_outputs` the one capture's
+buffers are handed out on every call, held or not: the caller asked for them to be overwritten. A
+handout read on another stream is safe where that stream is made to wait before the handout is let
+go of; `record_stream`, which protects a freed tensor from the caching allocator, does not reach
+memory the graph reuses. Calls take turns (`Turns`): the static buffers are shared. Capture
+restricts only its own thread's CUDA calls ("thread_local" mode), so other threads keep running CUDA
+work while a plan is captured.
 
 Memory the graph replays into. Everything a captured kernel touches must stay allocated, and to
 this graph, for as long as the graph lives: the arena, outputs and static inputs are held by the
