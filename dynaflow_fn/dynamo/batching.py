@@ -11,6 +11,16 @@ That is exact only when the symbol means "rows" everywhere it appears. A graph i
 otherwise (a flattened `[s0 * 128, 64]` input or output, an output of `s0 + 1` rows, a state tensor
 of `s0` rows) cannot be padded by cutting dimension 0: `find_batch` says why, and the backend plans
 it per size, as without buckets.
+
+Nor can a graph in which the batch may hide under a second symbol. Dynamo gives each dimension it
+made dynamic a symbol of its own, and ties two only where an op needs them equal (a broadcast). An
+op that does not, such as transformers' mask indexing `attention_mask[arange(batch)]`, leaves the
+mask's rows as `s1` beside the ids' `s0`, with the same size in the call. Padding the ids alone
+would index past the mask's rows at every bucket (on a GPU, a device-side assert); padding both
+would be a guess, and wrong for a tensor that only has as many rows by chance (image embeddings
+scattered into the batch). So a tensor passed by the caller whose dimension 0 is another symbol of
+the same size, appearing nowhere but as a dimension 0, makes the graph planned per size. A symbol
+that also sizes another dimension (a sequence length equal to the batch by chance) is not a batch.
 """
 
 from __future__ import annotations
@@ -52,6 +62,16 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
         return None
     symbol = str(values[candidates[0]].shape[0])
     tensors = frozenset(i for i in candidates if str(values[i].shape[0]) == symbol)
+    rows = _concrete(example_inputs[candidates[0]].shape[0])
+    outputs = [result.meta.get("example_value") if isinstance(result, fx.Node) else result
+               for result in _output_node(graph_module).args[0]]
+    for i in candidates:
+        other = str(values[i].shape[0])
+        if (other != symbol and _concrete(example_inputs[i].shape[0]) in (rows, None)
+                and not any(_sizes_other_than_rows(value, other) for value in [*values, *outputs])):
+            return (f"input {placeholders[i].name} has as many rows as {placeholders[candidates[0]].name} "
+                    f"({rows}) under another symbol ({other}, not {symbol}): Dynamo did not tie the two sizes, so "
+                    f"whether it holds the batch cannot be told")
     sizes = frozenset(i for i, value in enumerate(values) if isinstance(value, torch.SymInt) and str(value) == symbol)
     for i, (node, value) in enumerate(zip(placeholders, values)):
         shown = list(value.shape) if isinstance(value, torch.Tensor) else value
@@ -59,16 +79,32 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
             return f"input {node.name} ({shown}) has the batch size {symbol} in it but is not padded along dimension 0"
         if i in tensors and _mentions(value, symbol, skip_first=True):
             return f"input {node.name} has the batch size {symbol} in another dimension too ({shown})"
-    (output,) = [node for node in graph_module.graph.nodes if node.op == "output"]
     out_axes = []
-    for index, result in enumerate(output.args[0]):
-        value = result.meta.get("example_value") if isinstance(result, fx.Node) else result
+    for index, value in enumerate(outputs):
         batched = isinstance(value, torch.Tensor) and value.dim() and str(value.shape[0]) == symbol
         if _mentions(value, symbol, skip_first=bool(batched)):
             shown = list(value.shape) if isinstance(value, torch.Tensor) else value
             return f"output {index} ({shown}) has the batch size {symbol} in it other than as its dimension 0"
         out_axes.append(0 if batched else None)
     return Batch(symbol, tensors, sizes, tuple(out_axes))
+
+
+def _output_node(graph_module: fx.GraphModule) -> fx.Node:
+    (output,) = [node for node in graph_module.graph.nodes if node.op == "output"]
+    return output
+
+
+def _concrete(size: Any) -> int | None:
+    """A size of an example input as an int; None where it is symbolic (its value unknown here)."""
+    return size if type(size) is int else None
+
+
+def _sizes_other_than_rows(value: Any, symbol: str) -> bool:
+    """Whether `symbol` sizes something in `value` other than its dimension 0 (or `value` is not the size
+    `symbol` itself)."""
+    if isinstance(value, torch.SymInt) and str(value) == symbol:
+        return False
+    return _mentions(value, symbol, skip_first=isinstance(value, torch.Tensor))
 
 
 def _mentions(value: Any, symbol: str, skip_first: bool) -> bool:

@@ -58,6 +58,45 @@ def test_a_graph_with_the_batch_inside_another_dimension_is_planned_per_size_aft
     assert not _padded_graphs(backend)
 
 
+class MaskedByIndex(nn.Module):
+    """Reads the mask's rows by indexing, as transformers' mask functions do: no op needs the two batch
+    sizes equal, so Dynamo leaves them two symbols."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, ids, mask):
+        rows = mask[torch.arange(ids.shape[0])]
+        return (self.embed(ids) * rows[:, :, None]).sum(1)
+
+
+def test_a_second_symbol_of_the_batch_size_is_not_guessed_the_graph_is_planned_per_size():
+    model = MaskedByIndex().eval()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="under another symbol"):
+        for rows in (2, 3, 5, 3):                    # padding the ids alone would index past the mask's rows
+            ids, mask = torch.randint(0, 16, (rows, 6)), torch.rand(rows, 6)
+            torch.testing.assert_close(compiled(ids, mask), model(ids, mask))
+    assert not _padded_graphs(backend)
+
+
+def test_a_second_symbol_that_sizes_another_dimension_is_no_batch_and_the_batch_is_padded():
+    class Positions(nn.Module):
+        def forward(self, x, positions):                 # positions: [length], x: [batch, length]
+            return x * positions
+
+    model = Positions()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for rows, length in ((2, 2), (3, 3), (5, 3), (3, 5)):     # the length equals the batch at times
+            x, positions = torch.randn(rows, length), torch.randn(length)
+            torch.testing.assert_close(compiled(x, positions), model(x, positions))
+    assert _padded_graphs(backend)
+
+
 def test_bad_buckets_are_refused_when_the_backend_is_made():
     with pytest.raises(InputError, match="sorted"):
         df.compile_backend(buckets=(8, 4))
