@@ -54,7 +54,14 @@ class CompileBackend:
     def __repr__(self) -> str:
         return f"df.compile_backend(strategy={self.strategy!r}, backend={self.backend!r})"
 
-    def __call__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __deepcopy__(self, memo: dict) -> "CompileBackend":
+        """The backend itself: a copy would plan the graphs into a `graphs` list the caller never sees.
+        transformers deep-copies its `CompileConfig(backend=...)` before it calls torch.compile."""
+        return self
+
+    def __call__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
+                 options: dict | None = None) -> Callable[..., Any]:
+        check_compile_arguments(mode, options)
         check_sizes_known(graph_module)
         if torch.is_grad_enabled() and any(isinstance(value, torch.Tensor) and value.requires_grad
                                            for value in example_inputs):
@@ -129,6 +136,21 @@ class CompileBackend:
             return compat.boxed(TrainingGraph(graph_module, example_inputs, name,
                                               lambda fn: self._jitted(fn, dict(options))))
         return compile_graph
+
+
+def check_compile_arguments(mode: str | None, options: dict | None) -> None:
+    """Refuse what torch.compile passes on to a backend that df cannot honour. `mode="reduce-overhead"`
+    asks for CUDA graphs, which every df plan on CUDA is: it is accepted (transformers' CompileConfig
+    passes it by default). The other modes and `options` are Inductor's settings."""
+    if mode not in (None, "default", "reduce-overhead"):
+        raise InputError(f"torch.compile(..., backend=df.compile_backend(), mode={mode!r}): the modes other than "
+                         f"'reduce-overhead' (which df plans are on CUDA: one CUDA graph each) set Inductor's "
+                         f"autotuning, which df does not run. Leave mode out; strategy='auto' times df's "
+                         f"candidates instead.")
+    if options:
+        raise InputError(f"torch.compile(..., backend=df.compile_backend(), options={options!r}): options are "
+                         f"Inductor's settings and df takes none of them. Pass df's own to "
+                         f"df.compile_backend(...) (strategy, backend, buckets, progress, ...).")
 
 
 def check_sizes_known(graph_module: fx.GraphModule) -> None:

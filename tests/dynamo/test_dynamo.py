@@ -142,6 +142,43 @@ def test_generate_on_cuda_captures_each_graph_once_over_32_steps():
     assert [g.cache_info().captures for g in backend.graphs] == [1] * len(backend.graphs)
 
 
+@pytest.mark.cuda
+def test_generate_through_transformers_own_compile_with_this_backend_captures_each_graph_once():
+    """transformers compiles the forward itself for a static cache on CUDA, with the backend its
+    CompileConfig names: deep-copied, and with its default mode="reduce-overhead"."""
+    from transformers.generation import CompileConfig
+
+    model = _static_cache_llama().cuda()
+    ids = torch.randint(0, 128, (2, 7), device="cuda")
+    expected = _generate(model, ids, 16)
+    backend = df.compile_backend(progress=False)
+    model.generation_config.compile_config = CompileConfig(backend=backend)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    assert torch.equal(got[:, :ids.shape[1] + 4], expected[:, :ids.shape[1] + 4])
+    assert (got == expected).float().mean() > 0.95
+    assert backend.graphs and [g.cache_info().captures for g in backend.graphs] == [1] * len(backend.graphs)
+
+
+def test_a_copy_of_the_backend_is_the_backend_so_its_graphs_stay_visible():
+    backend = df.compile_backend(progress=False)
+    assert copy.deepcopy({"backend": backend})["backend"] is backend
+
+
+def test_mode_reduce_overhead_is_what_df_plans_are_and_inductors_other_settings_are_refused():
+    model = MLP().eval()
+    x = torch.randn(4, 32)
+    compiled = torch.compile(model, backend=df.compile_backend(progress=False), mode="reduce-overhead")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    torch._dynamo.reset()
+    for setting in ({"mode": "max-autotune"}, {"options": {"max_autotune": True}}):
+        compiled = torch.compile(model, backend=df.compile_backend(progress=False), **setting)
+        with torch.no_grad(), pytest.raises(Exception, match="Inductor's"):
+            compiled(x)
+        torch._dynamo.reset()
+
+
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")       # every test starts and leaves Dynamo's caches empty
 
 
