@@ -10,6 +10,8 @@ generate cases (`llama`, `qwen2`). Each case generates greedily from a batch of 
   df             model.forward = torch.compile(model.forward, backend=df.compile_backend(), dynamic=False),
                  generate(..., disable_compile=True): every Dynamo graph through df.jit, default settings
   df-auto        the same with df.compile_backend(strategy="auto")
+  hf-compile-df  generate() compiling the forward itself, as hf-compile-ro does, with the backend its compile
+                 config names: generation_config.compile_config = CompileConfig(backend=df.compile_backend())
   ... (one cache)  hf-compile-ro and df passed one transformers StaticCache, reset before each generate(), as
                  `past_key_values=` (the README's advice for df: generate() otherwise builds a new cache per
                  call, and the decode graph, which reads the cache at its own address, captures again)
@@ -166,8 +168,15 @@ def variants() -> dict[str, Callable[[torch.nn.Module], tuple[bool, Any]]]:
             return True, backend
         return prepare
 
+    def hf_compile_with_df(model):
+        from transformers.generation import CompileConfig
+
+        backend = df.compile_backend(progress=False)
+        model.generation_config.compile_config = CompileConfig(backend=backend)
+        return False, backend
+
     return {"eager": eager, "hf-compile-ro": hf_compile, "df": with_backend(), "df-auto": with_backend(strategy="auto"),
-            f"hf-compile-ro{ONE_CACHE}": hf_compile, f"df{ONE_CACHE}": with_backend()}
+            "hf-compile-df": hf_compile_with_df, f"hf-compile-ro{ONE_CACHE}": hf_compile, f"df{ONE_CACHE}": with_backend()}
 
 
 ONE_CACHE = " (one cache)"
