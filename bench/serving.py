@@ -508,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
         print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
                                  "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
     subset = ["some-variants"] if args.generate_variants else []
+    subset += [f"rounds{args.rounds}"] if args.rounds > 1 else []
     subset += [] if args.walk_variants == list(WALK_VARIANTS) else args.walk_variants
     subset += [] if args.walk_largest == WALK_LARGEST else [f"upto{args.walk_largest}"]
     subset += [] if args.walk_sample == WALK_SAMPLE else [f"sample{args.walk_sample}"]
