@@ -67,7 +67,7 @@ __all__ = [
     "make_fx", "op_schema",
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_modes", "matmul_setting_readers", "no_backward_node",
-    "data_ptrs_equal", "foreach_copy", "dynamo_input_origin", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
+    "data_ptrs_equal", "foreach_copy", "dynamo_input_origin", "dynamo_input_name", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
     "quiet_meta_failures", "refusing_generator_arguments", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
     "observe_module_changes", "dispatch_mode_depth", "recording_mode_active", "functorch_interpreter", "in_backward",
 ]
@@ -158,6 +158,15 @@ def dynamo_input_origin(placeholder: fx.Node) -> bool | None:
     while source is not None and hasattr(source, "base"):
         source = source.base
     return None if source is None else getattr(source, "is_input", False) is True
+
+
+def dynamo_input_name(placeholder: fx.Node) -> str:
+    """How the user reaches a Dynamo graph's input, for messages: its source's name, such as
+    `L['kwargs']['attention_mask']` (a method in older torch, a property in newer), or the
+    placeholder's own name (`l_kwargs_attention_mask_`) without a record."""
+    name = getattr(getattr(placeholder.meta.get("grapharg"), "source", None), "name", None)
+    name = name() if callable(name) else name
+    return name if isinstance(name, str) else placeholder.name
 
 
 def clear_cublas_workspaces() -> None:

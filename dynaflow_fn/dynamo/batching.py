@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
+from .. import compat
 from ..jitting.state import is_state
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
@@ -62,23 +63,19 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
         return None
     symbol = str(values[candidates[0]].shape[0])
     tensors = frozenset(i for i in candidates if str(values[i].shape[0]) == symbol)
-    rows = _concrete(example_inputs[candidates[0]].shape[0])
+    names = [compat.dynamo_input_name(node) for node in placeholders]
     outputs = [result.meta.get("example_value") if isinstance(result, fx.Node) else result
                for result in _output_node(graph_module).args[0]]
-    for i in candidates:
-        other = str(values[i].shape[0])
-        if (other != symbol and _concrete(example_inputs[i].shape[0]) in (rows, None)
-                and not any(_sizes_other_than_rows(value, other) for value in [*values, *outputs])):
-            return (f"input {placeholders[i].name} has as many rows as {placeholders[candidates[0]].name} "
-                    f"({rows}) under another symbol ({other}, not {symbol}): Dynamo did not tie the two sizes, so "
-                    f"whether it holds the batch cannot be told")
+    second = _second_symbol(candidates, values, [*values, *outputs], example_inputs, names)
+    if second is not None:
+        return second
     sizes = frozenset(i for i, value in enumerate(values) if isinstance(value, torch.SymInt) and str(value) == symbol)
-    for i, (node, value) in enumerate(zip(placeholders, values)):
+    for i, value in enumerate(values):
         shown = list(value.shape) if isinstance(value, torch.Tensor) else value
         if i not in tensors | sizes and _mentions(value, symbol, skip_first=False):
-            return f"input {node.name} ({shown}) has the batch size {symbol} in it but is not padded along dimension 0"
+            return f"input {names[i]} ({shown}) has the batch size {symbol} in it but is not padded along dimension 0"
         if i in tensors and _mentions(value, symbol, skip_first=True):
-            return f"input {node.name} has the batch size {symbol} in another dimension too ({shown})"
+            return f"input {names[i]} has the batch size {symbol} in another dimension too ({shown})"
     out_axes = []
     for index, value in enumerate(outputs):
         batched = isinstance(value, torch.Tensor) and value.dim() and str(value.shape[0]) == symbol
@@ -87,6 +84,22 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
             return f"output {index} ({shown}) has the batch size {symbol} in it other than as its dimension 0"
         out_axes.append(0 if batched else None)
     return Batch(symbol, tensors, sizes, tuple(out_axes))
+
+
+def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequence[Any],
+                   example_inputs: Sequence[Any], names: Sequence[str]) -> str | None:
+    """Why the batch may also hide under a second symbol: a candidate whose dimension 0 is another
+    symbol with as many rows in this call, which sizes nothing in `sized` (inputs and outputs) but
+    dimensions 0; None if no candidate is one."""
+    first = candidates[0]
+    symbol, rows = str(values[first].shape[0]), _concrete(example_inputs[first].shape[0])
+    for i in candidates:
+        other = str(values[i].shape[0])
+        if (other != symbol and _concrete(example_inputs[i].shape[0]) in (rows, None)
+                and not any(_sizes_other_than_rows(value, other) for value in sized)):
+            return (f"input {names[i]} has as many rows as {names[first]} ({rows}) under another symbol ({other}, "
+                    f"not {symbol}): Dynamo did not tie the two sizes, so whether it holds the batch cannot be told")
+    return None
 
 
 def _output_node(graph_module: fx.GraphModule) -> fx.Node:

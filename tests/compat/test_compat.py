@@ -368,6 +368,22 @@ def test_dynamo_input_origin_follows_source_chains_to_the_frame_arguments():
     assert compat.dynamo_input_origin(placeholder) is None
 
 
+def test_dynamo_input_name_is_the_source_the_user_wrote_or_the_placeholders_name():
+    names = []
+
+    def record(graph_module, example_inputs):
+        names.extend(compat.dynamo_input_name(node) for node in graph_module.graph.nodes if node.op == "placeholder")
+        return graph_module.forward
+
+    def model(ids, masks):
+        return ids * masks["attention"]
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=record, dynamic=False)(torch.ones(3), {"attention": torch.ones(3)})
+    assert names == ["L['ids']", "L['masks']['attention']"]
+    assert compat.dynamo_input_name(torch.fx.Graph().placeholder("x")) == "x"
+
+
 # --- the per-call check of df.jit -----------------------------------------------------------------
 
 
