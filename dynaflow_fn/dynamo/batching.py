@@ -95,7 +95,8 @@ def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequ
     symbol, rows = str(values[first].shape[0]), _concrete(example_inputs[first].shape[0])
     for i in candidates:
         other = str(values[i].shape[0])
-        if (other != symbol and _concrete(example_inputs[i].shape[0]) in (rows, None)
+        size = _concrete(example_inputs[i].shape[0])
+        if (other != symbol and (size is None or rows is None or size == rows)
                 and not any(_sizes_other_than_rows(value, other) for value in sized)):
             return (f"input {names[i]} has as many rows as {names[first]} ({rows}) under another symbol ({other}, "
                     f"not {symbol}): Dynamo did not tie the two sizes, so whether it holds the batch cannot be told")
@@ -108,13 +109,14 @@ def _output_node(graph_module: fx.GraphModule) -> fx.Node:
 
 
 def _concrete(size: Any) -> int | None:
-    """A size of an example input as an int; None where it is symbolic (its value unknown here)."""
+    """A size of an example input as an int; None where it is symbolic (its value unknown here, so any
+    two sizes may be equal)."""
     return size if type(size) is int else None
 
 
 def _sizes_other_than_rows(value: Any, symbol: str) -> bool:
-    """Whether `symbol` sizes something in `value` other than its dimension 0 (or `value` is not the size
-    `symbol` itself)."""
+    """Whether `symbol` sizes anything in `value` but a dimension 0: a tensor's other dimensions, or a size
+    input that is an expression of it (`s1 * 4`); the size input `symbol` itself does not count."""
     if isinstance(value, torch.SymInt) and str(value) == symbol:
         return False
     return _mentions(value, symbol, skip_first=isinstance(value, torch.Tensor))
