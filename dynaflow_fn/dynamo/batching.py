@@ -99,7 +99,9 @@ def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequ
         if (other != symbol and (size is None or rows is None or size == rows)
                 and not any(_sizes_other_than_rows(value, other) for value in sized)):
             return (f"input {names[i]} has as many rows as {names[first]} ({rows}) under another symbol ({other}, "
-                    f"not {symbol}): Dynamo did not tie the two sizes, so whether it holds the batch cannot be told")
+                    f"not {symbol}): Dynamo did not tie the two sizes, so whether it holds the batch cannot be told. "
+                    f"To pad both, say so: df.jit(step, buckets=..., in_axes=...) pads exactly the arguments "
+                    f"in_axes names, e.g. in_axes=(0, 0) for (input_ids, attention_mask)")
     return None
 
 

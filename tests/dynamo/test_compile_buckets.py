@@ -75,11 +75,22 @@ def test_a_second_symbol_of_the_batch_size_is_not_guessed_the_graph_is_planned_p
     model = MaskedByIndex().eval()
     backend = df.compile_backend(buckets=(4, 8), progress=False)
     compiled = torch.compile(model, backend=backend)
-    with torch.no_grad(), pytest.warns(UserWarning, match="under another symbol"):
+    with torch.no_grad(), pytest.warns(UserWarning, match="under another symbol.*in_axes="):
         for rows in (2, 3, 5, 3):                    # padding the ids alone would index past the mask's rows
             ids, mask = torch.randint(0, 16, (rows, 6)), torch.rand(rows, 6)
             torch.testing.assert_close(compiled(ids, mask), model(ids, mask))
     assert not _padded_graphs(backend)
+
+
+def test_df_jit_pads_what_in_axes_names_where_the_backend_cannot_tell():
+    model = MaskedByIndex().eval()
+    fast = df.jit(model, buckets=(4, 8), in_axes=(0, 0), progress=False)
+    with torch.no_grad():
+        for rows in (2, 3, 5, 3):
+            ids, mask = torch.randint(0, 16, (rows, 6)), torch.rand(rows, 6)
+            torch.testing.assert_close(fast(ids, mask), model(ids, mask))
+    info = fast.cache_info()
+    assert info.entries == 2 and info.padded_rows == 2 + 1 + 3 + 1
 
 
 def test_a_second_symbol_that_sizes_another_dimension_is_no_batch_and_the_batch_is_padded():
