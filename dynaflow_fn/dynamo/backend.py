@@ -240,6 +240,10 @@ def compile_backend(strategy: str | None = None, transforms: Callable[[Callable]
     jit_options: passed on to `df.jit` (progress, ...); static_outputs, persistent_argnums and
         donate_argnums apply to inference graphs only.
 
+    torch.compile's `mode="reduce-overhead"` is accepted (df plans on CUDA are CUDA graphs), as
+    transformers' `CompileConfig(backend=df.compile_backend())` passes it; its other modes and
+    `options=` are Inductor's settings and raise an InputError.
+
     >>> model = torch.compile(model, backend=df.compile_backend())
     >>> model(x).sum().backward()
     """
