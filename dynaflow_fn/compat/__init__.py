@@ -154,7 +154,7 @@ def dynamo_input_origin(placeholder: fx.Node) -> bool | None:
     compiled frame (`L['kwargs']['cache_position']`, `L['self'].lm_head.weight`), False if from
     elsewhere (a global, a closure), None without a record. Dynamo's `grapharg.source` is a chain of
     sources down to a `LocalSource`, whose `is_input` says whether it is a frame argument."""
-    source = getattr(placeholder.meta.get("grapharg"), "source", None)
+    source = _dynamo_source(placeholder)
     while source is not None and hasattr(source, "base"):
         source = source.base
     return None if source is None else getattr(source, "is_input", False) is True
@@ -164,9 +164,14 @@ def dynamo_input_name(placeholder: fx.Node) -> str:
     """How the user reaches a Dynamo graph's input, for messages: its source's name, such as
     `L['kwargs']['attention_mask']` (a method in older torch, a property in newer), or the
     placeholder's own name (`l_kwargs_attention_mask_`) without a record."""
-    name = getattr(getattr(placeholder.meta.get("grapharg"), "source", None), "name", None)
+    name = getattr(_dynamo_source(placeholder), "name", None)
     name = name() if callable(name) else name
     return name if isinstance(name, str) else placeholder.name
+
+
+def _dynamo_source(placeholder: fx.Node) -> Any:
+    """Dynamo's record of where a graph input came from (`grapharg.source`), or None."""
+    return getattr(placeholder.meta.get("grapharg"), "source", None)
 
 
 def clear_cublas_workspaces() -> None:
