@@ -17,7 +17,7 @@ STAGES = ["ir", "tracing", "transforms", "passes", "plan", "lowering", "runtime"
 `distributed` is the collectives library model code calls and the check that ranks agree on a plan,
 which df.jit runs before a plan's first call."""
 
-UTILITIES = {"errors", "compat"}
+UTILITIES = {"errors", "compat", "native"}
 FRONT_ENDS = {"pure", "autodiff", "optim", "dynamo", "testing"}
 """What users call: these may import any stage (and nothing in a stage imports them)."""
 

@@ -16,13 +16,16 @@ A plan is built from one call's arguments and from Python state that tracing and
 Building the full key costs about half a microsecond per leaf, as long as a replay for a decode step
 with hundreds of weights, so a call first asks the `Guard` of the plan used last, which compares the
 same fields against the call that built it. The comparison is most of what df.jit adds to a call, so
-it runs in one C++ call where torch has its guard manager (`native_check`: torch.compile's guards,
-`compat.leaf_checker`, about a tenth of Python's cost), in Python otherwise. What the C++ check
-compares, with the meaning `Guard` gives each part:
+it runs in one C++ call (`native_check`): dynaflow_fn's own checks (`native.leaf_checker`, about 10 ns
+a tensor) where they are built, else torch.compile's guards (`compat.leaf_checker`, about 130 ns), and
+in Python where neither is at hand. What the C++ check compares, with the meaning `Guard` gives each
+part:
 
-* every tensor leaf, and every tensor the function closes over, by layout: TENSOR_MATCH compares the
-  shape, strides, dtype and device, and also the Python type, dispatch keys and requires_grad, so a
-  call that differs only there is checked in full and then runs the same plan;
+* every tensor leaf, and every tensor the function closes over, by layout: the shape, strides, dtype
+  and device, and also the Python type, dispatch keys and requires_grad, so a call that differs only
+  there is checked in full and then runs the same plan (dynaflow_fn's checks compare a tensor's own
+  dispatch keys; torch's TENSOR_MATCH compares them under the thread's settings, so that inside
+  `torch.inference_mode()` it takes an inference tensor for an ordinary one);
 * static leaves of the types whose `==` is their `static_key` equality (`_EQUAL_BY_KEY`: ints, bools,
   strings, bytes, dtypes, devices, and floats other than zeros and NaN), by exact type and `==`. The
   others are left to Python (`NativeCheck.python_positions`): `==` calls -0.0 equal to 0.0 and no
@@ -44,7 +47,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from .. import compat
+from .. import compat, native
 from ..errors import GradientError, InputError
 from ..ir.tree import leaf_key, picker
 from . import object_watch
@@ -89,18 +92,21 @@ class NativeCheck:
 
 def native_check(leaves: Sequence[Any], modules: Sequence[torch.nn.Module],
                  closed_over: Sequence[torch.Tensor]) -> NativeCheck | None:
-    """The C++ check of calls like this one, or None where torch's guards are unavailable (or
-    DYNAFLOW_PYTHON_GUARD=1): the caller then checks everything in Python."""
+    """The C++ check of calls like this one: dynaflow_fn's own, else torch's guards; None where neither
+    is at hand (or DYNAFLOW_PYTHON_GUARD=1): the caller then checks everything in Python."""
     if os.environ.get(PYTHON_GUARD_ENV) == "1":
         return None
-    native = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or _equal_by_key(leaf)]
-    chosen = set(native)
+    in_cpp = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) or _equal_by_key(leaf)]
+    chosen = set(in_cpp)
     python_positions = tuple(i for i in range(len(leaves)) if i not in chosen)
     fixed = (*modules, *closed_over)
-    checks = [compat.LeafCheck((0, i)) for i in native]
+    checks = [compat.LeafCheck((0, i)) for i in in_cpp]
     checks += [compat.LeafCheck((1, k), "training") for k in range(len(modules))]
     checks += [compat.LeafCheck((1, k)) for k in range(len(modules), len(fixed))]
-    check = compat.leaf_checker((list(leaves), fixed), checks)
+    example = (list(leaves), fixed)
+    check = native.leaf_checker(example, checks)
+    if check is None:
+        check = compat.leaf_checker(example, checks)
     return None if check is None else NativeCheck(check, python_positions)
 
 
@@ -120,8 +126,8 @@ class Guard:
     same layout: shape, strides, dtype and device. A tensor read in place may be another tensor
     object with the same layout; the executable checks its address and captures again if it moved.
     A changed layout is seen however it was made (`resize_`, `t_()`, `t.data = v` with `v` anywhere).
-    One C++ call checks all of it where torch has its guard manager (`native_check`); Python compares
-    the same fields otherwise. The `watch` (an
+    One C++ call checks all of it (`native_check`) where dynaflow_fn's checks are built or torch has
+    its guard manager; Python compares the same fields otherwise. The `watch` (an
     `object_watch.ObjectWatch`) says whether the modules' Python state is still as traced: while the
     process-wide counter of module changes has not moved, comparing it here says it all.
     """
@@ -138,9 +144,9 @@ class Guard:
         self.modules_only = self.watch is not None and not self.watch.instances   # then the counter says it all
         self.fixed = (*modules, *closed_over)
         native = native_check(leaves, modules, closed_over)
-        # TENSOR_MATCH compares dispatch keys, and outside inference mode an inference tensor's lack the
+        # The C++ checks compare dispatch keys, and outside inference mode an inference tensor's lack the
         # ADInplaceOrView key every other tensor has: a guard built there admits no inference tensor
-        # where the building call had none (a guard built inside inference mode may).
+        # where the building call had none (TENSOR_MATCH's built inside inference mode may).
         self.refuses_inference_tensors = native is not None and not torch.is_inference_mode_enabled()
         if native is None:
             self.fit = _python_check(leaves, modules, closed_over)

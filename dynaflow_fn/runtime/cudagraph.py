@@ -80,7 +80,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import compat
+from .. import compat, native
 from ..errors import ResidentInputMoved
 from ..plan.plan import Plan, StorageKind
 from .copy_in import CopyIn
@@ -207,6 +207,7 @@ class CudaGraphExecutable:
             self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
             self.addresses = [tensor.data_ptr() if is_resident else None
                               for tensor, is_resident in zip(inputs, resident)]
+            self.at_captured_addresses = _address_check(self.addresses, self.resident)
             self.written_inputs = plan.written_inputs()
             self.write_back = [i for i in self.written_inputs if not resident[i]]
             input_position = {slot: i for i, slot in enumerate(plan.input_slots)}
@@ -341,7 +342,7 @@ class CudaGraphExecutable:
             self.on_capture(bound_bytes + capture.pool_bytes)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[Any]:
-        if not compat.data_ptrs_equal(inputs, self.addresses, self.resident):
+        if not self.at_captured_addresses(inputs):
             raise ResidentInputMoved()
         with self.turns:
             capture = self._free_capture(inputs)
@@ -367,6 +368,13 @@ class CudaGraphExecutable:
                 if capture.free():
                     return capture
             self._another_capture(inputs)
+
+
+def _address_check(addresses: Sequence[int | None], resident: Sequence[int]) -> Callable[[Sequence[torch.Tensor]], bool]:
+    """Whether a call's inputs (a list) have every resident one at its captured address: one C++ call,
+    dynaflow_fn's own where it is built, else torch's."""
+    check = native.address_checker(resident, [addresses[i] for i in resident])
+    return check if check is not None else lambda inputs: compat.data_ptrs_equal(inputs, addresses, resident)
 
 
 def _output_role(index: int) -> str:
