@@ -11,14 +11,14 @@ names below say which), with the device queue nearly empty:
   guard.admitted_leaves        the per-call check: the call's leaves by the last call's structure, every
                                leaf, the module flags, the state
   guard.flatten_known          its flatten, by a function written for the structure (`call.flattener`)
-  guard.fit (C++)              its check of the leaves, one call into torch's C++ guards
+  guard.fit (C++)              its check of the leaves, one call into dynaflow_fn's C++ checks (or torch's guards)
   replayer.replay              the part after the guard: the executable and the outputs' structure
   executable                   the CUDA-graph executable: input copy, replay, handing out the outputs
   graph.replay()               the replay alone
   input copy_                  one copied-in input
   handouts                     whether a caller holds the last outputs, and the new handouts
   turns                        the lock and stream check calls take turns with
-  resident addresses           the check that every resident input is at its captured address
+  resident addresses           the check that every resident input is at its captured address (one C++ call)
   free capture                 the choice of a capture no caller holds the outputs of
   load inputs                  the copied-in inputs' copies, with their checks
   executable, replay left out  the executable with its graph's replay made a no-op
@@ -35,7 +35,6 @@ import optree
 import torch
 
 import dynaflow_fn as df
-from dynaflow_fn import compat
 from bench.common import print_table, time_host, write_results
 from bench.overhead import LAYERS, WIDTH, LaunchBound, hand_graph
 from dynaflow_fn.jitting.guard import call_state
@@ -78,8 +77,7 @@ def part_rows() -> list[dict]:
         parts["input copy_"] = host_us(lambda: static.copy_(x))
         parts["handouts"] = host_us(lambda: capture.free() and capture.results(tensors))
         parts["turns"] = host_us(lambda: (turns.__enter__(), turns.__exit__(None, None, None)))
-        parts["resident addresses"] = host_us(
-            lambda: compat.data_ptrs_equal(tensors, executable.addresses, executable.resident))
+        parts["resident addresses"] = host_us(lambda: executable.at_captured_addresses(tensors))
         parts["free capture"] = host_us(lambda: executable._free_capture(tensors))
         parts["load inputs"] = host_us(lambda: executable.copy_in(tensors))
         capture.graph.replay = lambda: None
