@@ -83,7 +83,8 @@ class CompileBackend:
                                             "in_axes": tuple(0 if i in batch.tensors else None for i in tensors)}
         passed, examples = [passed[i] for i in tensors], [example_inputs[i] for i in tensors]
         return Specialized(graph_module.forward, [node.name for node in placeholders], example_inputs, "forward",
-                           lambda fn: self._jit(fn, passed, examples, padding), reads, batch)
+                           lambda fn: self._jit(fn, passed, examples, padding), reads, batch,
+                           lambda fn: self._jit(fn, passed, examples))
 
     def _batch(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any],
                passed: Sequence[bool | None]) -> Batch | None:

@@ -12,19 +12,26 @@ otherwise (a flattened `[s0 * 128, 64]` input or output, an output of `s0 + 1` r
 of `s0` rows) cannot be padded by cutting dimension 0: `find_batch` says why, and the backend plans
 it per size, as without buckets.
 
-Nor can a graph in which the batch may hide under a second symbol. Dynamo gives each dimension it
-made dynamic a symbol of its own, and ties two only where an op needs them equal (a broadcast). An
-op that does not, such as transformers' mask indexing `attention_mask[arange(batch)]`, leaves the
-mask's rows as `s1` beside the ids' `s0`, with the same size in the call. Padding the ids alone
-would index past the mask's rows at every bucket (on a GPU, a device-side assert); padding both
-would be a guess, and wrong for a tensor that only has as many rows by chance (image embeddings
-scattered into the batch). So a tensor passed by the caller whose dimension 0 is another symbol of
-the same size, appearing nowhere but as a dimension 0, makes the graph planned per size. A symbol
-that also sizes another dimension (a sequence length equal to the batch by chance) is not a batch.
+The batch may also hide under a second symbol. Dynamo gives each dimension it made dynamic a symbol
+of its own, and ties two only where an op needs them equal (a broadcast). An op that does not, such
+as transformers' mask indexing `attention_mask[arange(batch)[:, None, None, None], kv_index]`,
+leaves the mask's rows as `s1` beside the ids' `s0`, with the same size in the call. Padding the ids
+alone would index past the mask's rows at every bucket (on a GPU, a device-side assert). So a tensor
+passed by the caller whose dimension 0 is another symbol, appearing nowhere but as a dimension 0, is
+padded too where the graph reads its rows as the batch's rows (`_read_by_batch_rows`): through ops
+that keep every row where it is (a dtype cast, a slice of later dimensions, padding them) into an
+index whose first index is `arange` of the batch size, so that row `b` of what it reads is row `b` of
+the tensor. With as many rows as the batch, padding both then reads what the unpadded call reads, in
+every real row; a call in which the two sizes differ runs a plan of its own exact sizes
+(`Batch.agreeing`). A tensor read any other way is not guessed at: one with as many rows only by
+chance (image embeddings scattered into the batch, averaged over their own rows) would be silently
+wrong padded. It makes the graph planned per size, with a warning. A symbol that also sizes another
+dimension (a sequence length equal to the batch by chance) is not a batch.
 """
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -41,13 +48,16 @@ _NAME = re.compile(r"[A-Za-z_]\w*")
 @dataclass(frozen=True)
 class Batch:
     """The batch of one graph: `symbol` (its size, as Dynamo names it), the graph inputs padded along
-    dimension 0 (`tensors`) and bound to the padded size (`sizes`), by position, and each output's
-    batch axis (`out_axes`: 0, or None for an output without the batch)."""
+    dimension 0 (`tensors`), by position; the size inputs, each with the padded tensor whose rows it
+    counts (`sizes`: size position -> tensor position); and each output's batch axis (`out_axes`: 0,
+    or None for an output without the batch). `agreeing` are the padded tensors under a second symbol
+    (see the module docstring): a call pads them only when their rows are the batch's."""
 
     symbol: str
     tensors: frozenset[int]
-    sizes: frozenset[int]
+    sizes: dict[int, int]
     out_axes: tuple[int | None, ...]
+    agreeing: frozenset[int] = frozenset()
 
 
 def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
@@ -62,17 +72,23 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
     if not candidates:
         return None
     symbol = str(values[candidates[0]].shape[0])
-    tensors = frozenset(i for i in candidates if str(values[i].shape[0]) == symbol)
     names = [compat.dynamo_input_name(node) for node in placeholders]
     outputs = [result.meta.get("example_value") if isinstance(result, fx.Node) else result
                for result in _output_node(graph_module).args[0]]
-    second = _second_symbol(candidates, values, [*values, *outputs], example_inputs, names)
+    agreeing = frozenset(i for i in candidates if str(values[i].shape[0]) != symbol
+                         and not any(_sizes_other_than_rows(value, str(values[i].shape[0])) for value in [*values, *outputs])
+                         and _read_by_batch_rows(placeholders[i], symbol))
+    second = _second_symbol([i for i in candidates if i not in agreeing], values, [*values, *outputs],
+                            example_inputs, names)
     if second is not None:
         return second
-    sizes = frozenset(i for i, value in enumerate(values) if isinstance(value, torch.SymInt) and str(value) == symbol)
+    tensors = frozenset(i for i in candidates if str(values[i].shape[0]) == symbol) | agreeing
+    counted = {str(values[i].shape[0]): i for i in sorted(tensors, reverse=True)}
+    sizes = {i: counted[str(value)] for i, value in enumerate(values)
+             if isinstance(value, torch.SymInt) and str(value) in counted}
     for i, value in enumerate(values):
         shown = list(value.shape) if isinstance(value, torch.Tensor) else value
-        if i not in tensors | sizes and _mentions(value, symbol, skip_first=False):
+        if i not in tensors | sizes.keys() and _mentions(value, symbol, skip_first=False):
             return f"input {names[i]} ({shown}) has the batch size {symbol} in it but is not padded along dimension 0"
         if i in tensors and _mentions(value, symbol, skip_first=True):
             return f"input {names[i]} has the batch size {symbol} in another dimension too ({shown})"
@@ -83,7 +99,7 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
             shown = list(value.shape) if isinstance(value, torch.Tensor) else value
             return f"output {index} ({shown}) has the batch size {symbol} in it other than as its dimension 0"
         out_axes.append(0 if batched else None)
-    return Batch(symbol, tensors, sizes, tuple(out_axes))
+    return Batch(symbol, tensors, sizes, tuple(out_axes), agreeing)
 
 
 def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequence[Any],
@@ -103,6 +119,104 @@ def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequ
                     f"To pad both, say so: df.jit(step, buckets=..., in_axes=...) pads exactly the arguments "
                     f"in_axes names, e.g. in_axes=(0, 0) for (input_ids, attention_mask)")
     return None
+
+
+_KEEPING_ROWS = frozenset({"to", "bool", "float", "half", "bfloat16", "double", "long", "int", "contiguous", "clone",
+                           "detach"})
+"""Tensor methods that read each element where it is: a dtype or device cast, a copy."""
+
+_LATER_INDICES = (slice, int, type(None), type(Ellipsis))
+
+
+def _read_by_batch_rows(tensor: fx.Node, symbol: str) -> bool:
+    """Whether the graph reads every row of a graph input as the batch's row of that number: each path
+    from it goes through ops that keep every row where it is (`_keeps_rows`) into an index whose first
+    index is `arange` of the batch size `symbol` (`_indexes_by_batch_rows`), and the input is each op's
+    first argument alone."""
+    frontier, seen = [tensor], {tensor}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if not _only_first_argument(user, node):
+                return False
+            if _indexes_by_batch_rows(user, symbol):
+                continue
+            if not _keeps_rows(user):
+                return False
+            if user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return True
+
+
+def _only_first_argument(user: fx.Node, node: fx.Node) -> bool:
+    others: list[fx.Node] = []
+    fx.node.map_arg((user.args[1:], user.kwargs), others.append)
+    return bool(user.args) and user.args[0] is node and node not in others
+
+
+def _keeps_rows(user: fx.Node) -> bool:
+    """Whether row `b` of what `user` makes of its first argument is that argument's row `b`, made from
+    it alone: a cast (`_KEEPING_ROWS`), an index of later dimensions (`x[:, 1:]`, `x[:, None]`), or
+    padding of later dimensions."""
+    if user.op == "call_method":
+        return user.target in _KEEPING_ROWS and not any(isinstance(a, fx.Node) for a in (*user.args[1:], *user.kwargs.values()))
+    if user.op != "call_function":
+        return False
+    if user.target is operator.getitem:
+        index = _index_tuple(user.args[1])
+        return bool(index) and index[0] == slice(None) and all(isinstance(i, _LATER_INDICES) for i in index[1:])
+    if user.target is torch.nn.functional.pad:
+        pad = user.args[1] if len(user.args) > 1 else user.kwargs.get("pad")
+        return (isinstance(pad, (list, tuple)) and all(type(p) is int for p in pad)
+                and len(pad) <= 2 * (_rank(user.args[0]) - 1))
+    return False
+
+
+def _indexes_by_batch_rows(user: fx.Node, symbol: str) -> bool:
+    """Whether `user` indexes its first argument `x` as `x[rows, ...]`, where `rows` counts the batch's
+    rows (`_counts_batch_rows`) and no other index tensor has rows of its own: row `b` of the result
+    is then read from row `b` of `x`."""
+    if user.op != "call_function" or user.target is not operator.getitem:
+        return False
+    index = _index_tuple(user.args[1])
+    if not index or not _counts_batch_rows(index[0], symbol):
+        return False
+    rank = _rank(index[0])
+    for other in index[1:]:
+        value = other.meta.get("example_value") if isinstance(other, fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            first = value.shape[0] if value.dim() else None
+            if value.dtype == torch.bool or value.dim() > rank or (value.dim() == rank and not (type(first) is int and first == 1)):
+                return False
+        elif not isinstance(other, _LATER_INDICES):
+            return False
+    return True
+
+
+def _counts_batch_rows(index: Any, symbol: str) -> bool:
+    """Whether `index` is `arange(batch)`, with dimensions of size 1 added after its first
+    (`arange(batch)[:, None, None]`): the numbers of the batch's rows, in order."""
+    while (isinstance(index, fx.Node) and index.op == "call_function" and index.target is operator.getitem
+           and (shape := _index_tuple(index.args[1])) and shape[0] == slice(None) and all(i is None for i in shape[1:])):
+        index = index.args[0]
+    if not isinstance(index, fx.Node) or index.op != "call_function" or index.target is not torch.arange:
+        return False
+    bounds = [*index.args, *(index.kwargs[k] for k in ("start", "end", "step") if k in index.kwargs)]
+    if len(bounds) == 1:
+        bounds = [0, bounds[0], 1]
+    start, end, step = (*bounds, 1)[:3] if len(bounds) in (2, 3) else (None, None, None)
+    return (start == 0 and step == 1 and isinstance(end, fx.Node)
+            and isinstance(value := end.meta.get("example_value"), torch.SymInt) and str(value) == symbol)
+
+
+def _index_tuple(index: Any) -> tuple:
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _rank(node: Any) -> int:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else 0
 
 
 def _output_node(graph_module: fx.GraphModule) -> fx.Node:

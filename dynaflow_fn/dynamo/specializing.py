@@ -36,6 +36,10 @@ from ..jitting.guard import call_state
 from ..jitting.jitted import Jitted
 from .batching import Batch
 
+_EXACT = "exact sizes"
+"""The mark in a key of a call whose padded tensors disagree on their rows: a plan of its own sizes."""
+
+
 def has_symbolic_inputs(example_inputs: Sequence[Any]) -> bool:
     """Whether a graph takes sizes as inputs or tensors whose shapes are symbolic."""
     return any(not isinstance(value, torch.Tensor) or _symbolic_shape(value) for value in example_inputs)
@@ -94,12 +98,15 @@ class Specialized:
     specialization, so the jitted function takes only the tensors (`tensors_of`). `plan` makes the
     df.jit of one specialization (the caller's options), given the function to jit. `reads` are the
     positions whose values `fn`'s last inputs take (see `lift_item_reads`); a call passes the others.
+    With a `batch`, `plan` pads it to buckets, and `unpadded` plans a call whose padded tensors
+    disagree on their rows (`Batch.agreeing`) for its exact sizes.
     """
 
     def __init__(self, fn: Callable[..., Any], names: Sequence[str], example_inputs: Sequence[Any], name: str,
-                 plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = (), batch: Batch | None = None):
+                 plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = (), batch: Batch | None = None,
+                 unpadded: Callable[[Callable[..., Any]], Jitted] | None = None):
         self.fn, self.names, self.name, self.plan, self.reads = fn, list(names), name, plan, list(reads)
-        self.batch = batch
+        self.batch, self.unpadded = batch, unpadded
         self.bound = [i for i, value in enumerate(example_inputs) if not isinstance(value, torch.Tensor)]
         self.tensors = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor)]
         padded, sizes = (batch.tensors, batch.sizes) if batch is not None else ((), ())
@@ -107,6 +114,8 @@ class Specialized:
         self.pick_bound = picker([i for i in self.bound if i not in sizes])
         self.pick_symbolic = picker(symbolic_tensors)
         self.pick_padded = picker([i for i in self.tensors if i in padded])
+        self.pick_agreeing = picker(sorted(batch.agreeing)) if batch is not None and batch.agreeing else None
+        self.first_padded = min(set(padded) - batch.agreeing) if batch is not None else None   # under the batch symbol
         self.tensors_of = picker(self.tensors)
         self.by_signature: dict[tuple, Jitted] = {}
         self._last_signature: CallSignature | None = None   # the signature of the latest specialization
@@ -118,10 +127,17 @@ class Specialized:
 
     def key(self, args: Sequence[Any]) -> tuple:
         """The concrete signature of a call: the bound scalars' values and the shapes of the tensors
-        whose shapes are symbolic (Dynamo's guards already hold these to one graph)."""
-        return (tuple(map(_scalar_key, self.pick_bound(args)))
-                + tuple(tensor.shape for tensor in self.pick_symbolic(args))
-                + tuple(tensor.shape[1:] for tensor in self.pick_padded(args)))
+        whose shapes are symbolic (Dynamo's guards already hold these to one graph), the batch's rows
+        left out; and where a tensor under a second symbol has rows other than the batch's
+        (`Batch.agreeing`), every padded tensor's rows, for a plan of those exact sizes."""
+        key = (tuple(map(_scalar_key, self.pick_bound(args)))
+               + tuple(tensor.shape for tensor in self.pick_symbolic(args))
+               + tuple(tensor.shape[1:] for tensor in self.pick_padded(args)))
+        if self.pick_agreeing is not None:
+            rows = args[self.first_padded].shape[0]
+            if any(tensor.shape[0] != rows for tensor in self.pick_agreeing(args)):
+                return (*key, _EXACT, tuple(tensor.shape[0] for tensor in self.pick_padded(args)))
+        return key
 
     def jitted_for(self, args: Sequence[Any]) -> Jitted:
         """The jitted specialization for this call's signature, made on its first call."""
@@ -133,21 +149,22 @@ class Specialized:
 
     def _specialize(self, key: tuple, args: Sequence[Any]) -> Jitted:
         template, fn, positions = list(args), self.fn, self.tensors
-        sizes = sorted(self.batch.sizes) if self.batch is not None else []
-        first = positions.index(min(self.batch.tensors)) if self.batch is not None else None
+        counted = self.batch.sizes if self.batch is not None else {}
+        sizes = [(position, positions.index(tensor)) for position, tensor in sorted(counted.items())]
 
         def specialized(*tensors: torch.Tensor) -> Any:
             inputs = list(template)
             for position, tensor in zip(positions, tensors):
                 inputs[position] = tensor
-            for position in sizes:                   # the batch size: the padded one, while traced
-                inputs[position] = tensors[first].shape[0]
+            for position, tensor in sizes:           # the rows it counts: padded ones, while traced
+                inputs[position] = tensors[tensor].shape[0]
             result = fn(*inputs)
             return tuple(result) if isinstance(result, list) else result
 
         for position in positions:                   # keep no tensor of this call alive
             template[position] = None
-        jitted = self.plan(named(specialized, self.name, [self.names[i] for i in positions]))
+        plan = self.unpadded if _EXACT in key else self.plan
+        jitted = plan(named(specialized, self.name, [self.names[i] for i in positions]))
         self._warn_if_many(args)
         return self.by_signature.setdefault(key, jitted)
 

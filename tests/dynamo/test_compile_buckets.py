@@ -1,6 +1,8 @@
 """df.compile_backend(buckets=...): a Dynamo graph whose batch size is symbolic pads the tensors the
 model is called with to the next bucket, instead of planning every size."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -71,15 +73,77 @@ class MaskedByIndex(nn.Module):
         return (self.embed(ids) * rows[:, :, None]).sum(1)
 
 
-def test_a_second_symbol_of_the_batch_size_is_not_guessed_the_graph_is_planned_per_size():
+def test_a_tensor_read_by_the_batch_rows_under_a_second_symbol_is_padded_with_the_batch():
     model = MaskedByIndex().eval()
     backend = df.compile_backend(buckets=(4, 8), progress=False)
     compiled = torch.compile(model, backend=backend)
-    with torch.no_grad(), pytest.warns(UserWarning, match="under another symbol.*in_axes="):
-        for rows in (2, 3, 5, 3):                    # padding the ids alone would index past the mask's rows
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (2, 3, 5, 3, 8):                 # padding the ids alone would index past the mask's rows
             ids, mask = torch.randint(0, 16, (rows, 6)), torch.rand(rows, 6)
             torch.testing.assert_close(compiled(ids, mask), model(ids, mask))
+    (padded,) = _padded_graphs(backend)
+    assert padded.options.in_axes == (0, 0, None)            # ids, mask, the embedding
+    info = padded.cache_info()
+    assert info.entries == 2 and info.padded_rows == 1 + 3 + 1 + 0   # 2 rows went to Dynamo's static graph
+
+
+def test_a_call_whose_second_symbol_has_other_rows_runs_a_plan_of_its_exact_sizes():
+    class FirstRowsOfTheMask(MaskedByIndex):
+        """Reads as many rows of the mask as the ids have, whatever the mask holds beyond them."""
+
+    model = FirstRowsOfTheMask().eval()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for rows, mask_rows in ((2, 2), (3, 3), (3, 5), (5, 5), (3, 7)):
+            ids, mask = torch.randint(0, 16, (rows, 6)), torch.rand(mask_rows, 6)
+            torch.testing.assert_close(compiled(ids, mask), model(ids, mask))
+    (padded,) = _padded_graphs(backend)
+    assert padded.cache_info().real_rows == 3 + 5                   # the calls whose rows agree
+    exact = [jitted for jitted in backend.graphs if jitted.options.buckets is None]
+    assert len(exact) == 1 + 2                 # Dynamo's first, static graph; the calls of (3, 5) and (3, 7)
+
+
+def test_a_second_symbol_read_otherwise_is_not_guessed_the_graph_is_planned_per_size():
+    class AveragedImages(nn.Module):
+        """Adds the mean of the image embeddings to every row: as many images as rows only by chance, so
+        padding them with the batch would change the mean."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+
+        def forward(self, ids, images):
+            return self.embed(ids).sum(1) + images.mean(0)
+
+    model = AveragedImages().eval()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="under another symbol.*in_axes="):
+        for rows in (2, 3, 5, 3):
+            ids, images = torch.randint(0, 16, (rows, 6)), torch.rand(rows, 8)
+            torch.testing.assert_close(compiled(ids, images), model(ids, images))
     assert not _padded_graphs(backend)
+
+
+def test_a_transformers_forward_with_an_attention_mask_is_padded_to_the_buckets():
+    from models import tiny_llama
+
+    model = tiny_llama().eval()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for rows in (2, 3, 5, 7, 3):
+            ids = torch.randint(0, 128, (rows, 9))
+            mask = torch.ones(rows, 9, dtype=torch.long)
+            mask[0, :4] = 0                                          # a left-padded prompt
+            expected = model(input_ids=ids, attention_mask=mask).logits
+            torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits, expected)
+    (padded,) = _padded_graphs(backend)
+    assert sum(axis == 0 for axis in padded.options.in_axes) == 2   # the ids and the mask
+    assert padded.cache_info().entries == 2
 
 
 def test_df_jit_pads_what_in_axes_names_where_the_backend_cannot_tell():
