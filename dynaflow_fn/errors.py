@@ -27,6 +27,16 @@ class InputError(DynaflowError, TypeError):
     """An argument has a structure, type, device or value that the function or transform cannot take."""
 
 
+class PaddedUpdateError(InputError):
+    """A function given buckets updates in place an input that in_axes pads: the update would land in the
+    padded copy. `updated` names those inputs, for a caller that chose the padding itself
+    (`df.compile_backend`) to say so in its own words."""
+
+    def __init__(self, message: str, updated: list[str]):
+        super().__init__(message)
+        self.updated = updated
+
+
 class TransformError(DynaflowError):
     """A transform was given options that do not fit the program, or was applied in an order that makes no sense."""
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from ..errors import PaddedUpdateError, warn
 from ..ir.tree import Flat, picker
 from ..jitting.call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from ..jitting.guard import call_state
@@ -106,7 +107,8 @@ class Specialized:
                  plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = (), batch: Batch | None = None,
                  unpadded: Callable[[Callable[..., Any]], Jitted] | None = None):
         self.fn, self.names, self.name, self.plan, self.reads = fn, list(names), name, plan, list(reads)
-        self.batch, self.unpadded = batch, unpadded
+        self.batch, self.unpadded, self.example_inputs = batch, unpadded, example_inputs
+        self.instead: Specialized | None = None          # planned per size, once padding was refused
         self.bound = [i for i, value in enumerate(example_inputs) if not isinstance(value, torch.Tensor)]
         self.tensors = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor)]
         padded, sizes = (batch.tensors, batch.sizes) if batch is not None else ((), ())
@@ -121,9 +123,28 @@ class Specialized:
         self._last_signature: CallSignature | None = None   # the signature of the latest specialization
 
     def __call__(self, *args: Any) -> Any:
+        if self.instead is not None:
+            return self.instead(*args)
+        given = args
         if self.reads:
             args = (*args, *[args[i].item() for i in self.reads])
-        return self.jitted_for(args)(*self.tensors_of(args))
+        jitted = self.jitted_for(args)
+        try:
+            return jitted(*self.tensors_of(args))
+        except PaddedUpdateError as error:
+            if self.batch is None:
+                raise
+            self._plan_per_size(error)
+            return self.instead(*given)
+
+    def _plan_per_size(self, error: PaddedUpdateError) -> None:
+        """Give up padding: the graph updates a tensor of the batch in place (a KV cache made with the
+        batch's rows), which a padded copy cannot stand in for. Later calls are planned per size."""
+        warn(f"df.compile_backend(buckets=...) cannot pad this graph: it updates {', '.join(error.updated)} in place, "
+             f"which hold the batch's rows, and a padded copy would take the update instead of the caller's tensor "
+             f"(a KV cache made for each batch, as transformers' StaticCache is). It is planned for each batch size "
+             f"instead, as without buckets.")
+        self.instead = Specialized(self.fn, self.names, self.example_inputs, self.name, self.unpadded, self.reads)
 
     def key(self, args: Sequence[Any]) -> tuple:
         """The concrete signature of a call: the bound scalars' values and the shapes of the tensors

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..errors import InputError, TraceError
+from ..errors import InputError, PaddedUpdateError, TraceError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
 from ..transforms.row_states import Reduced, Rows
@@ -53,9 +53,10 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     padded_updates = [spec.path for spec in program.inputs
                       if spec.node_name in updates and spec.node_name in batch_axes]
     if padded_updates:
-        raise InputError(f"{program.name} updates {', '.join(padded_updates)} in place, and in_axes pads it: the "
-                         f"update would land in the padded copy, not in your tensor. Give it None in in_axes (a KV "
-                         f"cache indexed by the rows' slots is not batched), or update it outside the function")
+        raise PaddedUpdateError(f"{program.name} updates {', '.join(padded_updates)} in place, and in_axes pads it: "
+                                f"the update would land in the padded copy, not in your tensor. Give it None in in_axes "
+                                f"(a KV cache indexed by the rows' slots is not batched), or update it outside the "
+                                f"function", padded_updates)
     if rows < 2:                                   # with one row, any axis of size 1 could hold it
         return []
     flow = follow_rows(program.graph, batch_axes, rows)

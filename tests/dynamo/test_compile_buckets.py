@@ -172,6 +172,27 @@ def test_a_second_symbol_that_sizes_another_dimension_is_no_batch_and_the_batch_
     assert _padded_graphs(backend)
 
 
+def test_a_graph_that_updates_a_tensor_of_the_batch_in_place_is_planned_per_size_after_a_warning():
+    class WritesItsCache(nn.Module):
+        """Writes the rows into a cache made for each batch, as transformers' StaticCache is: a padded copy
+        of the cache would take the update instead."""
+
+        def forward(self, x, cache):
+            cache[:, 0] = x
+            return cache.sum(1)
+
+    model = WritesItsCache()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="cannot pad this graph: it updates .*cache.* in place"):
+        for rows in (2, 3, 5, 3):
+            x = torch.randn(rows, 8)
+            cache, expected_cache = torch.zeros(rows, 4, 8), torch.zeros(rows, 4, 8)
+            torch.testing.assert_close(compiled(x, cache), model(x, expected_cache))
+            torch.testing.assert_close(cache, expected_cache)
+    assert all(jitted.cache_info().entries == 0 for jitted in _padded_graphs(backend))
+
+
 def test_bad_buckets_are_refused_when_the_backend_is_made():
     with pytest.raises(InputError, match="sorted"):
         df.compile_backend(buckets=(8, 4))
