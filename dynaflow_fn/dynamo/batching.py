@@ -23,10 +23,12 @@ that keep every row where it is (a dtype cast, a slice of later dimensions, padd
 index whose first index is `arange` of the batch size, so that row `b` of what it reads is row `b` of
 the tensor. With as many rows as the batch, padding both then reads what the unpadded call reads, in
 every real row; a call in which the two sizes differ runs a plan of its own exact sizes
-(`Batch.agreeing`). A tensor read any other way is not guessed at: one with as many rows only by
-chance (image embeddings scattered into the batch, averaged over their own rows) would be silently
-wrong padded. It makes the graph planned per size, with a warning. A symbol that also sizes another
-dimension (a sequence length equal to the batch by chance) is not a batch.
+(`Batch.agreeing`). A tensor read any other way is not guessed at, whatever its rows in the call that
+made the graph (Dynamo made it for every size): one with as many rows only by chance (image
+embeddings averaged over their own rows) would be silently wrong padded, and one left unpadded
+beside padded ids may be read by the batch's size (`images[:batch]`, past its rows at a bucket). It
+makes the graph planned per size, with a warning. A symbol that also sizes another dimension (a
+sequence length equal to the batch by chance) is not a batch.
 """
 
 from __future__ import annotations
@@ -78,8 +80,7 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
     agreeing = frozenset(i for i in candidates if str(values[i].shape[0]) != symbol
                          and not any(_sizes_other_than_rows(value, str(values[i].shape[0])) for value in [*values, *outputs])
                          and _read_by_batch_rows(placeholders[i], symbol))
-    second = _second_symbol([i for i in candidates if i not in agreeing], values, [*values, *outputs],
-                            example_inputs, names)
+    second = _second_symbol([i for i in candidates if i not in agreeing], values, [*values, *outputs], names)
     if second is not None:
         return second
     tensors = frozenset(i for i in candidates if str(values[i].shape[0]) == symbol) | agreeing
@@ -103,21 +104,20 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
 
 
 def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequence[Any],
-                   example_inputs: Sequence[Any], names: Sequence[str]) -> str | None:
+                   names: Sequence[str]) -> str | None:
     """Why the batch may also hide under a second symbol: a candidate whose dimension 0 is another
-    symbol with as many rows in this call, which sizes nothing in `sized` (inputs and outputs) but
-    dimensions 0; None if no candidate is one."""
+    symbol, which sizes nothing in `sized` (inputs and outputs) but dimensions 0; None if no candidate
+    is one. Its size in this call does not matter: Dynamo made the graph for every size, so a tensor
+    with other rows now may have the batch's in the next call."""
     first = candidates[0]
-    symbol, rows = str(values[first].shape[0]), _concrete(example_inputs[first].shape[0])
+    symbol = str(values[first].shape[0])
     for i in candidates:
         other = str(values[i].shape[0])
-        size = _concrete(example_inputs[i].shape[0])
-        if (other != symbol and (size is None or rows is None or size == rows)
-                and not any(_sizes_other_than_rows(value, other) for value in sized)):
-            return (f"input {names[i]} has as many rows as {names[first]} ({rows}) under another symbol ({other}, "
-                    f"not {symbol}): Dynamo did not tie the two sizes, so whether it holds the batch cannot be told. "
-                    f"To pad both, say so: df.jit(step, buckets=..., in_axes=...) pads exactly the arguments "
-                    f"in_axes names, e.g. in_axes=(0, 0) for (input_ids, attention_mask)")
+        if other != symbol and not any(_sizes_other_than_rows(value, other) for value in sized):
+            return (f"input {names[i]} has its rows under another symbol ({other}, not the {symbol} of "
+                    f"{names[first]}), and the graph reads them other than as the batch's rows, so whether it holds "
+                    f"the batch cannot be told. To pad both, say so: df.jit(step, buckets=..., in_axes=...) pads "
+                    f"exactly the arguments in_axes names, e.g. in_axes=(0, 0) for (input_ids, attention_mask)")
     return None
 
 
@@ -222,12 +222,6 @@ def _rank(node: Any) -> int:
 def _output_node(graph_module: fx.GraphModule) -> fx.Node:
     (output,) = [node for node in graph_module.graph.nodes if node.op == "output"]
     return output
-
-
-def _concrete(size: Any) -> int | None:
-    """A size of an example input as an int; None where it is symbolic (its value unknown here, so any
-    two sizes may be equal)."""
-    return size if type(size) is int else None
 
 
 def _sizes_other_than_rows(value: Any, symbol: str) -> bool:

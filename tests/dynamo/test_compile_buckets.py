@@ -127,6 +127,27 @@ def test_a_second_symbol_read_otherwise_is_not_guessed_the_graph_is_planned_per_
     assert not _padded_graphs(backend)
 
 
+def test_a_second_symbol_is_not_guessed_even_where_its_rows_differ_when_dynamo_makes_the_graph():
+    class SlicedByTheBatch(nn.Module):
+        """Reads as many image rows as the batch has, by slicing: padded ids alone would slice past them."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+
+        def forward(self, ids, images):
+            return self.embed(ids).sum(1) + images[:ids.shape[0]]
+
+    model = SlicedByTheBatch().eval()
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="under another symbol"):
+        for rows, images in ((2, 2), (3, 5), (5, 5), (3, 6)):      # Dynamo's symbolic graph is made at (3, 5)
+            ids, images = torch.randint(0, 16, (rows, 6)), torch.rand(images, 8)
+            torch.testing.assert_close(compiled(ids, images), model(ids, images))
+    assert not _padded_graphs(backend)
+
+
 def test_a_transformers_forward_with_an_attention_mask_is_padded_to_the_buckets():
     from models import tiny_llama
 
