@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import optree
 import torch
 
-from ..errors import warn
+from ..errors import TraceError, warn
 from ..ir.signature import device_of
 from ..ir.tree import Flat
 from ..runtime.shared_pool import SharedPool
@@ -59,7 +59,19 @@ class Bucketing:
         table = self.table.table
         bucket = table[rows] if rows < len(table) else self._beyond(rows)
         padded = leaves if rows == bucket else layout.pad(leaves, rows, bucket)
-        outputs, replayer = self.jitted._run(padded, treedef, self._last.get(bucket))
+        try:
+            outputs, replayer = self.jitted._run(padded, treedef, self._last.get(bucket))
+        except TraceError as error:
+            if rows >= self.table.largest:            # traced as called: nothing was padded
+                raise
+            largest = self.table.largest
+            at = f"{bucket} rows" if bucket == largest else f"{bucket} rows (and first at the largest bucket's {largest})"
+            raise TraceError(
+                f"df.jit({self.jitted.name}) with buckets traces each call padded to a bucket: this one, of {rows} "
+                f"rows, at {at}. {error} A function that reads "
+                f"the batch size other than through the rows in_axes names (a tensor sliced by it, images[:batch]) "
+                f"sees other shapes once padded: give such tensors an axis in in_axes too, or call it without "
+                f"buckets.") from error
         if replayer is not None:
             self._last[bucket] = replayer
         self.real_rows += rows

@@ -373,7 +373,7 @@ def _translate_errors(fn_name: str) -> Iterator[None]:
             f"{fn_name} calls {error.func} {_where(error)}, which has no fake-tensor (meta) implementation. Register "
             f"one with torch.library.register_fake, or keep that op outside the jitted function.", error) from None
     except MetaKernelRejection as error:
-        verdict = ("eager PyTorch rejects the same call" if error.confirmed else
+        verdict = ("eager PyTorch rejects these inputs too" if error.confirmed else
                    "its fake-tensor kernel rejects the inputs and no real kernel could be asked (trace with tensors "
                    "on a real device instead of meta)")
         raise _traced_error(f"{fn_name} calls {op_name(error.op)} {_where(error)} on inputs it cannot take: "

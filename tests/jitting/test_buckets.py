@@ -11,7 +11,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
-from dynaflow_fn.errors import InputError
+from dynaflow_fn.errors import InputError, TraceError
 from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BatchLayout
 from models import MLP, Block
 
@@ -245,6 +245,15 @@ def test_a_number_computed_from_the_batch_size_is_refused(fn):
     for _ in range(2):
         with pytest.raises(InputError, match=r"returns out(\[1\]|\['scale'\]) = .* computed from the batch size"):
             fast(torch.randn(3, 2))
+
+
+def test_a_padded_call_that_cannot_be_traced_says_it_was_padded():
+    """Eager PyTorch takes the call of 5 rows; the trace at the bucket's 8 slices the images past their rows."""
+    fast = df.jit(lambda ids, images: ids.sum(1, keepdim=True) + images[:ids.shape[0]], buckets=(4, 8),
+                  in_axes=(0, None), backend="eager")
+    with pytest.raises(TraceError, match=r"padded to a bucket: this one, of 5 rows, at 8 rows\. .*rejects these inputs "
+                                         r"too.* give such tensors an axis in in_axes"):
+        fast(torch.randn(5, 6), torch.randn(5, 1))
 
 
 def _write_slots(cache, slots, values):
