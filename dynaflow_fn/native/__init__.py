@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -83,7 +84,8 @@ def _build(name: str, directory: Path) -> ModuleType:
 
     directory.mkdir(parents=True, exist_ok=True)
     with progress_bar(total=1, desc="dynaflow_fn: compiling its C++ call checks (once per torch build)",
-                      leave=True) as bar:
+                      leave=True) as bar, warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the build's own notes (compiler versions): it works or it raises
         built = cpp_extension.load(name, [str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"],
                                    with_cuda=False, verbose=False)
         bar.update(1)

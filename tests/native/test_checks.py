@@ -65,8 +65,11 @@ def test_the_checks_build_where_a_compiler_is():
 
 @pytest.fixture
 def built():
-    if native.module() is None:
+    """The built checks (their module), or a skip where they cannot be built."""
+    checks = native.module()
+    if checks is None:
         pytest.skip("dynaflow_fn's C++ checks are not built here")
+    return checks
 
 
 def test_a_leaf_check_compares_tensors_by_layout_and_the_rest_by_type_and_value(built):
@@ -167,6 +170,19 @@ def test_where_the_checks_cannot_be_built_df_jit_warns_once_and_checks_through_t
         assert torch.equal(fast(torch.full((3,), 5.0), 2), torch.full((3,), 10.0))
         assert torch.equal(fast(torch.ones(3), 3), torch.full((3,), 3.0))
     assert native.module() is None and fast.hits == 1          # the second call replayed the first's plan
+
+
+def test_the_builds_own_warnings_stay_inside_it(built, empty_cache, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def noisy_build(*args, **kwargs):
+        warnings.warn("Your compiler (c++) may be ABI-incompatible with PyTorch!")
+        return built
+
+    monkeypatch.setattr(cpp_extension, "load", noisy_build)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.module() is built
 
 
 def test_dynaflow_native_0_builds_nothing(empty_cache, monkeypatch):
