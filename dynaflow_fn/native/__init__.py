@@ -68,7 +68,10 @@ def module() -> ModuleType | None:
     try:
         built = directory / _BUILT
         if built.exists():
-            return _load(name, Path(built.read_text()))
+            try:
+                return _load(name, Path(built.read_text()))
+            except (OSError, ImportError):       # the library was deleted since: build it again
+                pass
         return _build(name, directory)
     except Exception as error:           # no compiler or headers, a read-only cache, a failed build ...
         warn(f"dynaflow_fn could not build its C++ call checks ({type(error).__name__}: {_first_line(error)}); "

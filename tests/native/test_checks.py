@@ -172,6 +172,20 @@ def test_where_the_checks_cannot_be_built_df_jit_warns_once_and_checks_through_t
     assert native.module() is None and fast.hits == 1          # the second call replayed the first's plan
 
 
+def test_a_library_deleted_since_its_build_is_built_again(built, empty_cache, monkeypatch):
+    from torch.utils import cpp_extension
+
+    builds = []
+    monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: builds.append(args) or built)
+    assert native.module() is built and len(builds) == 1
+    (record,) = empty_cache.glob("*/built")
+    record.write_text(str(empty_cache / "deleted.so"))
+    native.module.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.module() is built and len(builds) == 2
+
+
 def test_the_builds_own_warnings_stay_inside_it(built, empty_cache, monkeypatch):
     from torch.utils import cpp_extension
 
