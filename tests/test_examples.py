@@ -36,6 +36,17 @@ def test_compile_hf_llama_runs_llama_through_df_jit_and_matches_eager(fresh_dyna
         assert info.misses == 1 and info.hits >= 2, info   # planned once, then every call served from the cache
 
 
+@pytest.mark.slow
+def test_compile_hf_llama_pads_changing_batches_with_their_masks_to_the_buckets(fresh_dynamo):
+    pytest.importorskip("transformers")
+    difference, backend = load_example("compile_hf_llama").changing_batches((1, 3, 5, 2, 7))
+    assert difference < 1e-3
+    (padded,) = [jitted for jitted in backend.graphs if jitted.options.buckets is not None]
+    info = padded.cache_info()
+    assert info.entries == 3 and info.real_rows == 3 + 5 + 2 + 7       # Dynamo gives a batch of 1 a graph of its own
+    assert sum(axis == 0 for axis in padded.options.in_axes) == 2       # the ids and the attention mask
+
+
 # --- examples/serve_llama.py: continuous batching, the batch padded to buckets --------------------------
 
 
