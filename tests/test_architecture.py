@@ -107,6 +107,13 @@ def test_no_stage_imports_a_later_stage_or_a_front_end(path):
             assert STAGES.index(part) <= stage, f"{path.relative_to(PACKAGE)} imports the later stage {part}"
 
 
+def test_the_native_checks_import_only_errors_and_ir_and_only_runtime_and_jitting_import_them():
+    native = [p for p in _modules() if _part(p) == "native"]
+    assert native and all(_imported_parts(p) <= {"native", "errors", "ir"} for p in native)
+    importers = {_part(p) for p in _modules() if _part(p) != "native" and "native" in _imported_parts(p)}
+    assert importers <= {"runtime", "jitting"}, importers
+
+
 def test_modules_classes_and_functions_stay_small():
     too_big = []
     for path in _modules():
