@@ -1,11 +1,15 @@
 """dynaflow_fn's C++ call checks: they build where a compiler is, compare what torch's guards compare,
 and df.jit falls back to torch's checks, with a warning, where they cannot be built."""
 
+import os
 import shutil
 import warnings
 
+import optree
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dynaflow_fn as df
 from dynaflow_fn import compat, native
@@ -212,3 +216,41 @@ def test_a_guard_checks_through_the_built_checks(built):
     fast(torch.ones(3), 2)
     assert type(fast._last.guard.fit) is native.module().LeafCheck
     assert type(guard.native_check([torch.ones(3), 2.5], [], []).check) is native.module().LeafCheck
+
+
+def _universe():
+    """Leaves a call may pass, tensors of several layouts and kinds and static values of several types."""
+    base = torch.randn(2, 3)
+    with torch.inference_mode():
+        inference = torch.randn(2, 3)
+    return [base, torch.randn(2, 3), torch.randn(3, 2).t(), base.double(), base.to(torch.int64), torch.randn(3, 2),
+            torch.randn(2, 3, requires_grad=True), torch.nn.Parameter(torch.randn(2, 3)), base[:, :2], inference,
+            torch.randn(2, 3, dtype=torch.cfloat), torch.randn(2, 3, dtype=torch.cfloat).conj(),
+            0, 1, 2, True, False, 1.5, 2.5, -0.0, 0.0, float("nan"), "mean", "sum", torch.float32, torch.float16,
+            torch.device("cpu"), b"x", 3.0]
+
+
+@given(example=st.lists(st.integers(0, 28), min_size=1, max_size=5), data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_a_guard_on_the_cpp_checks_admits_no_call_the_python_check_refuses(example, data):
+    """The C++ checks compare more than the full key does (Python type, dispatch keys, requires_grad),
+    never less: a call they admit runs the plan the full lookup would pick."""
+    built = native.module()
+    if built is None:
+        pytest.skip("dynaflow_fn's C++ checks are not built here")
+    universe = _universe()
+    leaves = [universe[i] for i in example]
+    picks = data.draw(st.lists(st.integers(0, 28), min_size=len(leaves), max_size=len(leaves)))
+    call = [universe[i] for i in picks]
+    treedef = optree.tree_structure(((*leaves,), {}))
+    state = guard.call_state()
+    ours = guard.Guard(treedef, leaves, state)
+    assert type(ours.fit) is built.LeafCheck or guard.native_check(leaves, [], []).python_positions
+    os.environ[guard.PYTHON_GUARD_ENV] = "1"
+    try:
+        python = guard.Guard(treedef, leaves, state)
+    finally:
+        del os.environ[guard.PYTHON_GUARD_ENV]
+    if ours._fits(call, state):
+        assert python._fits(call, state)
+    assert ours._fits(list(leaves), state) and python._fits(list(leaves), state)
