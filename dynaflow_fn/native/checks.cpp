@@ -18,6 +18,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstdint>
+#include <memory>
 #include <variant>
 #include <vector>
 
@@ -140,10 +142,30 @@ struct Place {
   }
 };
 
-struct LeafCheck {
+// A Python object holding one check's state: what the constructor built, let go of with the object.
+template <typename State>
+struct Holder {
   PyObject_HEAD
-  std::vector<Place>* places;
+  State* state;
 };
+
+template <typename State>
+PyObject* hold(PyTypeObject* type, std::unique_ptr<State> state) {
+  auto* self = reinterpret_cast<Holder<State>*>(type->tp_alloc(type, 0));
+  if (self != nullptr) {
+    self->state = state.release();
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+template <typename State>
+void let_go(PyObject* self) {
+  delete reinterpret_cast<Holder<State>*>(self)->state;
+  Py_TYPE(self)->tp_free(self);
+}
+
+using Places = std::vector<Place>;
+using Addresses = std::vector<std::pair<Py_ssize_t, uintptr_t>>;     // (index, address)
 
 PyObject* LeafCheck_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* example;
@@ -151,7 +173,7 @@ PyObject* LeafCheck_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (!PyArg_ParseTuple(args, "OO!", &example, &PyList_Type, &places)) {
     return nullptr;
   }
-  auto built = std::make_unique<std::vector<Place>>();
+  auto built = std::make_unique<Places>();
   try {
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(places); ++k) {
       Py_ssize_t group, index;
@@ -180,24 +202,15 @@ PyObject* LeafCheck_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_ValueError, error.what_without_backtrace());
     return nullptr;
   }
-  auto* self = reinterpret_cast<LeafCheck*>(type->tp_alloc(type, 0));
-  if (self != nullptr) {
-    self->places = built.release();
-  }
-  return reinterpret_cast<PyObject*>(self);
+  return hold(type, std::move(built));
 }
 
-void LeafCheck_dealloc(LeafCheck* self) {
-  delete self->places;
-  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
-}
-
-PyObject* LeafCheck_call(LeafCheck* self, PyObject* args, PyObject* kwargs) {
+PyObject* LeafCheck_call(Holder<Places>* self, PyObject* args, PyObject* kwargs) {
   PyObject* call;
   if (!PyArg_UnpackTuple(args, "LeafCheck", 1, 1, &call)) {
     return nullptr;
   }
-  for (const Place& place : *self->places) {
+  for (const Place& place : *self->state) {
     if (!place.matches(call)) {
       Py_RETURN_FALSE;
     }
@@ -206,11 +219,6 @@ PyObject* LeafCheck_call(LeafCheck* self, PyObject* args, PyObject* kwargs) {
 }
 
 PyTypeObject LeafCheckType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
-struct AddressCheck {
-  PyObject_HEAD
-  std::vector<std::pair<Py_ssize_t, uintptr_t>>* expected;     // (index, address)
-};
 
 PyObject* AddressCheck_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* indices;
@@ -222,7 +230,7 @@ PyObject* AddressCheck_new(PyTypeObject* type, PyObject* args, PyObject* kwargs)
     PyErr_SetString(PyExc_ValueError, "as many indices as addresses");
     return nullptr;
   }
-  auto built = std::make_unique<std::vector<std::pair<Py_ssize_t, uintptr_t>>>();
+  auto built = std::make_unique<Addresses>();
   for (Py_ssize_t k = 0; k < PyList_GET_SIZE(indices); ++k) {
     Py_ssize_t index = PyLong_AsSsize_t(PyList_GET_ITEM(indices, k));
     uintptr_t address = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addresses, k));
@@ -231,24 +239,15 @@ PyObject* AddressCheck_new(PyTypeObject* type, PyObject* args, PyObject* kwargs)
     }
     built->emplace_back(index, address);
   }
-  auto* self = reinterpret_cast<AddressCheck*>(type->tp_alloc(type, 0));
-  if (self != nullptr) {
-    self->expected = built.release();
-  }
-  return reinterpret_cast<PyObject*>(self);
+  return hold(type, std::move(built));
 }
 
-void AddressCheck_dealloc(AddressCheck* self) {
-  delete self->expected;
-  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
-}
-
-PyObject* AddressCheck_call(AddressCheck* self, PyObject* args, PyObject* kwargs) {
+PyObject* AddressCheck_call(Holder<Addresses>* self, PyObject* args, PyObject* kwargs) {
   PyObject* inputs;
   if (!PyArg_UnpackTuple(args, "AddressCheck", 1, 1, &inputs)) {
     return nullptr;
   }
-  for (const auto& [index, address] : *self->expected) {
+  for (const auto& [index, address] : *self->state) {
     PyObject* object = Place::item(inputs, index);
     if (object == nullptr || !THPVariable_Check(object)) {
       Py_RETURN_FALSE;
@@ -287,10 +286,9 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), nu
 }  // namespace
 
 PyMODINIT_FUNC CONCAT(PyInit_, TORCH_EXTENSION_NAME)() {
-  if (!ready(LeafCheckType, "LeafCheck", sizeof(LeafCheck), LeafCheck_new,
-             reinterpret_cast<destructor>(LeafCheck_dealloc), reinterpret_cast<ternaryfunc>(LeafCheck_call)) ||
-      !ready(AddressCheckType, "AddressCheck", sizeof(AddressCheck), AddressCheck_new,
-             reinterpret_cast<destructor>(AddressCheck_dealloc),
+  if (!ready(LeafCheckType, "LeafCheck", sizeof(Holder<Places>), LeafCheck_new, let_go<Places>,
+             reinterpret_cast<ternaryfunc>(LeafCheck_call)) ||
+      !ready(AddressCheckType, "AddressCheck", sizeof(Holder<Addresses>), AddressCheck_new, let_go<Addresses>,
              reinterpret_cast<ternaryfunc>(AddressCheck_call))) {
     return nullptr;
   }
