@@ -74,17 +74,19 @@ class CompileBackend:
         passed = _passed_by_the_caller(graph_module)
         graph_module, reads = lift_item_reads(graph_module)
         if not reads and not has_symbolic_inputs(example_inputs):
-            return self._jit(graph_module.forward, passed, example_inputs)
+            return self._jit(graph_module.forward, passed, list(map(is_state, example_inputs)))
         placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
         example_inputs = [*example_inputs, *(node.meta.get("example_value") for node in placeholders[len(passed):])]
         tensors = [i for i, value in enumerate(example_inputs[:len(passed)]) if isinstance(value, torch.Tensor)]
         batch = self._batch(graph_module, example_inputs, passed)
         padding = {} if batch is None else {"buckets": self.buckets, "out_axes": batch.out_axes,
                                             "in_axes": tuple(0 if i in batch.tensors else None for i in tensors)}
-        passed, examples = [passed[i] for i in tensors], [example_inputs[i] for i in tensors]
+        # What each plan needs of the example inputs, read now: a plan made later keeps none of them alive
+        # (they are the tensors of the call Dynamo compiled for, a KV cache perhaps).
+        passed, states = [passed[i] for i in tensors], [is_state(example_inputs[i]) for i in tensors]
         return Specialized(graph_module.forward, [node.name for node in placeholders], example_inputs, "forward",
-                           lambda fn: self._jit(fn, passed, examples, padding), reads, batch,
-                           lambda fn: self._jit(fn, passed, examples))
+                           lambda fn: self._jit(fn, passed, states, padding), reads, batch,
+                           lambda fn: self._jit(fn, passed, states))
 
     def _batch(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any],
                passed: Sequence[bool | None]) -> Batch | None:
@@ -99,15 +101,16 @@ class CompileBackend:
             return None
         return batch
 
-    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None], examples: Sequence[torch.Tensor],
+    def _jit(self, fn: Callable[..., Any], passed: Sequence[bool | None], states: Sequence[bool],
              padding: dict[str, Any] | None = None) -> Jitted:
-        """df.jit of an inference graph's function of its tensor inputs (`examples`, Dynamo's), `passed`
-        saying per input whether it was reached from an argument of the compiled function. What
-        in_axes="arguments" splits is what was passed and is no model state (a parameter reached
-        through `self` is passed too). `padding` holds the bucket options of a graph with a batch."""
+        """df.jit of an inference graph's function of its tensor inputs, `passed` saying per input whether
+        it was reached from an argument of the compiled function and `states` whether it is model state
+        (`is_state` of Dynamo's example). What in_axes="arguments" splits is what was passed and is no
+        model state (a parameter reached through `self` is passed too). `padding` holds the bucket
+        options of a graph with a batch."""
         options = dict(self.jit_options)
         if self.in_axes == "arguments":
-            batched = [p is True and not is_state(example) for p, example in zip(passed, examples)]
+            batched = [p is True and not state for p, state in zip(passed, states)]
             options["in_axes"] = tuple(0 if b else None for b in batched) if any(batched) else None
         options.setdefault("persistent_argnums", tuple(i for i, p in enumerate(passed) if p is False))
         options.update(padding or {})

@@ -107,24 +107,26 @@ class Specialized:
                  plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = (), batch: Batch | None = None,
                  unpadded: Callable[[Callable[..., Any]], Jitted] | None = None):
         self.fn, self.names, self.name, self.plan, self.reads = fn, list(names), name, plan, list(reads)
-        self.batch, self.unpadded, self.example_inputs = batch, unpadded, example_inputs
-        self.instead: Specialized | None = None          # planned per size, once padding was refused
+        self.unpadded = unpadded
         self.bound = [i for i, value in enumerate(example_inputs) if not isinstance(value, torch.Tensor)]
         self.tensors = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor)]
-        padded, sizes = (batch.tensors, batch.sizes) if batch is not None else ((), ())
-        symbolic_tensors = [i for i in self.tensors if _symbolic_shape(example_inputs[i]) and i not in padded]
+        self.symbolic = [i for i in self.tensors if _symbolic_shape(example_inputs[i])]
+        self.tensors_of = picker(self.tensors)
+        self._last_signature: CallSignature | None = None   # the signature of the latest specialization
+        self._pad(batch)
+
+    def _pad(self, batch: Batch | None) -> None:
+        """Read calls as padded along `batch` (None: planned per size), with no specialization made yet."""
+        self.batch = batch
+        padded, sizes = (batch.tensors, batch.sizes) if batch is not None else ((), {})
         self.pick_bound = picker([i for i in self.bound if i not in sizes])
-        self.pick_symbolic = picker(symbolic_tensors)
+        self.pick_symbolic = picker([i for i in self.symbolic if i not in padded])
         self.pick_padded = picker([i for i in self.tensors if i in padded])
         self.pick_agreeing = picker(sorted(batch.agreeing)) if batch is not None and batch.agreeing else None
         self.first_padded = min(set(padded) - batch.agreeing) if batch is not None else None   # under the batch symbol
-        self.tensors_of = picker(self.tensors)
         self.by_signature: dict[tuple, Jitted] = {}
-        self._last_signature: CallSignature | None = None   # the signature of the latest specialization
 
     def __call__(self, *args: Any) -> Any:
-        if self.instead is not None:
-            return self.instead(*args)
         given = args
         if self.reads:
             args = (*args, *[args[i].item() for i in self.reads])
@@ -135,7 +137,7 @@ class Specialized:
             if self.batch is None:
                 raise
             self._plan_per_size(error)
-            return self.instead(*given)
+            return self(*given)
 
     def _plan_per_size(self, error: PaddedUpdateError) -> None:
         """Give up padding: the graph updates a tensor of the batch in place (a KV cache made with the
@@ -144,7 +146,8 @@ class Specialized:
              f"which hold the batch's rows, and a padded copy would take the update instead of the caller's tensor "
              f"(a KV cache made for each batch, as transformers' StaticCache is). It is planned for each batch size "
              f"instead, as without buckets.")
-        self.instead = Specialized(self.fn, self.names, self.example_inputs, self.name, self.unpadded, self.reads)
+        self.plan = self.unpadded
+        self._pad(None)
 
     def key(self, args: Sequence[Any]) -> tuple:
         """The concrete signature of a call: the bound scalars' values and the shapes of the tensors

@@ -2,9 +2,11 @@
 KV cache, torch.compile's default dynamic shapes, and training loops (backward, optimizer steps)."""
 
 import copy
+import gc
 import inspect
 import importlib
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -472,3 +474,25 @@ def test_training_on_cuda_replays_one_cuda_graph_per_forward_and_backward(kernel
     assert {jitted.name for jitted in backend.graphs} == {"forward", "backward"}
     captures = {jitted.name: jitted.cache_info().captures for jitted in backend.graphs}
     assert captures == {"forward": 2, "backward": 1}       # the loss is held over the next forward
+
+
+@pytest.mark.parametrize("buckets", [None, (4, 8)], ids=["per size", "buckets"])
+def test_the_backend_keeps_no_tensor_of_the_calls_it_compiled_for_alive(buckets):
+    """Dynamo's example inputs are the call's own tensors (a KV cache, say): a graph planned later, per
+    size or per bucket, must not hold them once the caller lets them go."""
+    class ReadsACache(torch.nn.Module):
+        def forward(self, x, cache):
+            return x * 2 + cache.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ReadsACache(), backend=df.compile_backend(buckets=buckets, progress=False))
+    caches = []
+    with torch.no_grad():
+        for rows in (2, 3, 5):                  # the second call makes Dynamo's graph with a symbolic batch
+            cache = torch.randn(64, 64)
+            caches.append(weakref.ref(cache))
+            torch.testing.assert_close(compiled(torch.ones(rows, 4), cache), 2 + cache.sum().expand(rows, 4))
+            del cache
+    gc.collect()
+    assert [ref() for ref in caches] == [None, None, None]
+    torch._dynamo.reset()
