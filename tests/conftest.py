@@ -4,7 +4,14 @@ Fixtures that tests of several folders share live here."""
 import pytest
 import torch
 
+from fixtures import native_checks_ready
+
 pytest_plugins = ["dynaflow_fn.testing.pytest_plugin"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_checks_ready():
+    native_checks_ready()
 
 
 @pytest.fixture

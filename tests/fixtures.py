@@ -1,10 +1,12 @@
 """Builders shared by the tests of several folders: random programs, fine partitions and random
 schedules (dynaflow_fn.testing's, which users get too), the verified plan of a function, the flat
-tensor inputs a Plan's executable takes, threads released at once, and a training step."""
+tensor inputs a Plan's executable takes, threads released at once, a training step, and the C++
+checks built before any test runs."""
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable
 
 import optree
@@ -12,13 +14,14 @@ import torch
 from hypothesis import strategies as st
 
 import dynaflow_fn as df
+from dynaflow_fn import native
 from dynaflow_fn import transforms as T
 from dynaflow_fn.plan.plan import Plan, Step, StepKind
 from dynaflow_fn.testing.programs import EachNode, RandomScheduler, build, example_inputs
 from dynaflow_fn.testing.strategies import recipes
 
-__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "plan_of", "recipes", "run_together",
-           "scheduled", "step_lists", "training_step"]
+__all__ = ["EachNode", "RandomScheduler", "build", "example_inputs", "flat_tensors", "native_checks_ready", "plan_of",
+           "recipes", "run_together", "scheduled", "step_lists", "training_step"]
 
 
 def scheduled(fn, strategy, inputs: int, micro_batches: bool = True):
@@ -82,3 +85,12 @@ def step_lists(draw, max_steps: int = 14):
         recorded += list(records)
         steps.append(Step(index, StepKind.KERNEL, draw(st.integers(0, num_streams - 1)), waits=waits, records=records))
     return steps, num_streams
+
+
+def native_checks_ready() -> None:
+    """Build or load df.jit's C++ checks now, outside any test: where they cannot be built, the warning
+    that says so is given here, not inside the first test to make a guard (where a test that turns
+    warnings into errors would fail on it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        native.module()

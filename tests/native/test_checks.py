@@ -15,6 +15,7 @@ import dynaflow_fn as df
 from dynaflow_fn import compat, native
 from dynaflow_fn.jitting import guard
 from dynaflow_fn.runtime import cudagraph
+from fixtures import native_checks_ready
 
 
 @pytest.fixture
@@ -23,6 +24,7 @@ def asked_anew():
     native.module.cache_clear()
     yield
     native.module.cache_clear()
+    native_checks_ready()
 
 
 @pytest.fixture
@@ -62,7 +64,7 @@ def _variants(example):
 
 
 def test_the_checks_build_where_a_compiler_is():
-    if shutil.which("c++") is None or shutil.which("ninja") is None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
         pytest.skip("no C++ compiler or ninja here")
     assert native.module() is not None
 
