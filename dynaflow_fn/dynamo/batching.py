@@ -77,10 +77,11 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
     names = [compat.dynamo_input_name(node) for node in placeholders]
     outputs = [result.meta.get("example_value") if isinstance(result, fx.Node) else result
                for result in _output_node(graph_module).args[0]]
+    sized = [*values, *outputs]
     agreeing = frozenset(i for i in candidates if str(values[i].shape[0]) != symbol
-                         and not any(_sizes_other_than_rows(value, str(values[i].shape[0])) for value in [*values, *outputs])
+                         and not any(_sizes_other_than_rows(value, str(values[i].shape[0])) for value in sized)
                          and _read_by_batch_rows(placeholders[i], symbol))
-    second = _second_symbol([i for i in candidates if i not in agreeing], values, [*values, *outputs], names)
+    second = _second_symbol([i for i in candidates if i not in agreeing], values, sized, names)
     if second is not None:
         return second
     tensors = frozenset(i for i in candidates if str(values[i].shape[0]) == symbol) | agreeing

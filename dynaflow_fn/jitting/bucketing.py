@@ -62,9 +62,9 @@ class Bucketing:
         try:
             outputs, replayer = self.jitted._run(padded, treedef, self._last.get(bucket))
         except TraceError as error:
-            if rows >= self.table.largest:            # traced as called: nothing was padded
-                raise
             largest = self.table.largest
+            if rows >= largest:                       # traced as called: nothing was padded
+                raise
             at = f"{bucket} rows" if bucket == largest else f"{bucket} rows (and first at the largest bucket's {largest})"
             raise TraceError(
                 f"df.jit({self.jitted.name}) with buckets traces each call padded to a bucket: this one, of {rows} "

@@ -16,7 +16,7 @@ A plan is built from one call's arguments and from Python state that tracing and
 Building the full key costs about half a microsecond per leaf, as long as a replay for a decode step
 with hundreds of weights, so a call first asks the `Guard` of the plan used last, which compares the
 same fields against the call that built it. The comparison is most of what df.jit adds to a call, so
-it runs in one C++ call (`native_check`): dynaflow_fn's own checks (`native.leaf_checker`, about 10 ns
+it runs in one C++ call (`native_check`): dynaflow_fn's own checks (`native.leaf_checker`, about 20 ns
 a tensor) where they are built, else torch.compile's guards (`compat.leaf_checker`, about 130 ns), and
 in Python where neither is at hand. What the C++ check compares, with the meaning `Guard` gives each
 part:

@@ -53,13 +53,16 @@ struct TensorLayout {
   std::vector<int64_t> strides;
 
   explicit TensorLayout(PyObject* tensor)
-      : type(reinterpret_cast<PyObject*>(Py_TYPE(tensor))),
-        keys(THPVariable_Unpack(tensor).key_set()),
-        dtype(THPVariable_Unpack(tensor).dtype()),
-        device(THPVariable_Unpack(tensor).device()),
-        requires_grad(THPVariable_Unpack(tensor).requires_grad()),
-        sizes(THPVariable_Unpack(tensor).sizes().vec()),
-        strides(THPVariable_Unpack(tensor).strides().vec()) {}
+      : TensorLayout(reinterpret_cast<PyObject*>(Py_TYPE(tensor)), THPVariable_Unpack(tensor)) {}
+
+  TensorLayout(PyObject* python_type, const at::Tensor& tensor)
+      : type(python_type),
+        keys(tensor.key_set()),
+        dtype(tensor.dtype()),
+        device(tensor.device()),
+        requires_grad(tensor.requires_grad()),
+        sizes(tensor.sizes().vec()),
+        strides(tensor.strides().vec()) {}
 
   bool matches(PyObject* object) const {
     if (reinterpret_cast<PyObject*>(Py_TYPE(object)) != type.get()) {   // the example's type: a tensor too
