@@ -1,7 +1,8 @@
 """`CompileBackend`: what torch.compile calls with each graph Dynamo captures.
 
 A graph captured without gradients (under torch.no_grad() or inference_mode, or with nothing that
-requires grad) goes to df.jit as it is. A graph captured with gradients goes through AOTAutograd
+requires grad) goes to df.jit as it is, less the outputs that are views, which are rebuilt on the real
+tensors as eager PyTorch returns them (`views`). A graph captured with gradients goes through AOTAutograd
 first (`training`), which splits it into a forward and a backward graph, and each goes to df.jit.
 Either way a graph whose sizes are symbolic is planned per concrete signature (`specializing`), and
 a graph whose sizes depend on tensor data cannot be planned at all (`check_sizes_known`).
@@ -23,6 +24,7 @@ from ..jitting.state import is_state
 from .batching import Batch, find_batch
 from .specializing import Specialized, has_symbolic_inputs, lift_item_reads
 from .training import TrainingGraph
+from .views import DYNAMO, split_views
 
 _INFERENCE_ONLY_OPTIONS = ("static_outputs", "persistent_argnums", "donate_argnums")
 """df.jit options that apply to inference graphs only: a training graph's outputs must outlive the
@@ -71,6 +73,16 @@ class CompileBackend:
     # --- inference: the captured graph itself ----------------------------------------------------
 
     def _inference(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """The graph planned by df.jit, its outputs that are views of inputs or of other outputs rebuilt
+        on the real tensors, as eager PyTorch returns them (`views`)."""
+        split = split_views(graph_module, DYNAMO)
+        if split.rebuilds_nothing:
+            return self._planned(graph_module, example_inputs)
+        if not split.computes_anything:
+            return split.assemble
+        return _assembled(self._planned(split.computed, example_inputs), split.assemble)
+
+    def _planned(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         passed = _passed_by_the_caller(graph_module)
         graph_module, reads = lift_item_reads(graph_module)
         if not reads and not has_symbolic_inputs(example_inputs):
@@ -140,6 +152,13 @@ class CompileBackend:
             return compat.boxed(TrainingGraph(graph_module, example_inputs, name,
                                               lambda fn: self._jitted(fn, dict(options))))
         return compile_graph
+
+
+def _assembled(computed: Callable[..., Any], assemble: fx.GraphModule) -> Callable[..., Any]:
+    """A call of the graph: its computed outputs, then every output assembled from them and the inputs."""
+    def call(*args: Any) -> Any:
+        return assemble(*args, *computed(*args))
+    return call
 
 
 def check_compile_arguments(mode: str | None, options: dict | None) -> None:

@@ -42,7 +42,7 @@ class TrainingGraph:
         self.assemble = split.assemble
         names = [node.name for node in graph_module.graph.nodes if node.op == "placeholder"]
         self.specialized = Specialized(split.computed, names, example_inputs, name, plan)
-        self.planned = split.computes > 0
+        self.planned = split.computes_anything
         self.by_aten = False
 
     def __call__(self, *args: Any) -> Any:

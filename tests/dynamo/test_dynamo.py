@@ -436,6 +436,48 @@ def test_under_no_grad_the_captured_graph_is_planned_as_it_is():
     assert "l_x_" in inputs and not any(name.startswith("primals") for name in inputs)   # Dynamo's, not AOTAutograd's
 
 
+@pytest.mark.parametrize("buckets", [None, (4, 8)])
+def test_inference_outputs_that_are_views_are_views_of_the_real_tensors(buckets):
+    model = Views()
+    backend = df.compile_backend(progress=False, buckets=buckets)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for rows in (4, 6, 7, 3):                                     # symbolic sizes from 6 on; 3 pads to 4
+            x = torch.randn(rows, 8)
+            outputs, expected = compiled(x), model(x)
+            torch.testing.assert_close(outputs, expected)
+            assert outputs[2]._base is x                               # a view of the caller's tensor itself
+            assert outputs[2].data_ptr() == x.data_ptr() + expected[2].storage_offset() * x.element_size()
+            assert outputs[1]._base is outputs[0]._base or outputs[1]._base is outputs[0]
+            outputs[2].fill_(7.0)                                      # writes through to x, as in eager
+            assert torch.equal(x.view(rows * 2, 4)[rows // 2:], torch.full_like(expected[2], 7.0))
+
+
+class WritesItsArgument(torch.nn.Module):
+    """Writes its argument in place and returns it, views of it, and an in-place op's result."""
+
+    def forward(self, x):
+        x.mul_(2)
+        y = torch.nn.functional.leaky_relu(x, 0.5, True)             # in place, named by no trailing _
+        return x, y, x.view(-1, 2).t(), x.add_(1), x.detach()
+
+
+def test_inference_outputs_that_are_written_arguments_are_the_arguments_written_once():
+    model = WritesItsArgument()
+    compiled = torch.compile(model, backend=df.compile_backend(progress=False), dynamic=False)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 6)
+            expected_x = x.clone()
+            expected = model(expected_x)
+            outputs = compiled(x)
+            torch.testing.assert_close(x, expected_x)                  # every write applied once
+            torch.testing.assert_close(outputs, expected)
+            assert outputs[0] is x and outputs[1] is x and outputs[3] is x
+            assert outputs[2]._base is x
+            assert outputs[4] is not x and outputs[4].data_ptr() == x.data_ptr()   # detach: x's memory, not x
+
+
 def test_without_aot_autograd_training_runs_dynamos_graph_with_eager_autograd(monkeypatch):
     torch._dynamo.list_backends()       # Dynamo imports its own backends, which need AOTAutograd, first
     monkeypatch.delattr(importlib.import_module("torch._dynamo.backends.common"), "aot_autograd")
