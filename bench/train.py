@@ -39,8 +39,8 @@ while a variant is built and takes those steps (weights, gradients, optimizer st
 graph pools); it is left out for cudagraph trees, whose pool bookkeeping rewrites the allocator's
 counters. speedup_vs_best_compile is the fastest compile variant's median over the row's. Prints
 medians and ratios; writes bench/results/train.json (train-<cases>.json for a subset: the three
-cases compile nine times, which takes minutes).
-    python -m bench.train [--cases 1x128 8x2048 hf-8x2048]
+cases compile nine times, which takes minutes; train-<cases>-<variants>.json for fewer variants).
+    python -m bench.train [--cases 1x128 8x2048 hf-8x2048] [--variants compile compile-df-backend ...]
 """
 
 from __future__ import annotations
@@ -189,12 +189,14 @@ def warm_up(make: Callable[[torch.Tensor, str], Callable[[], torch.Tensor]], ids
     return {"step": step, "first_call_s": ends[0], "ready_s": ends[-1], "loss_after_warmup": loss}
 
 
-def rows_for(batch: int, tokens: int, device: torch.device, kind: str = "plain") -> list[dict]:
-    """Build every variant in turn (they coexist: the timing below interleaves them), then time them."""
+def rows_for(batch: int, tokens: int, device: torch.device, kind: str = "plain",
+             variants: list[str] = list(VARIANTS)) -> list[dict]:
+    """Build each of `variants` in turn (they coexist: the timing below interleaves them), then time them."""
     case = f"{'transformers ' if kind != 'plain' else ''}8 layers x 2048, batch {batch} x {tokens} tokens"
     ids = torch.randint(0, VOCAB, (batch, tokens), device=device)
     rows, calls = [], {}
-    for name, make in VARIANTS.items():
+    for name in variants:
+        make = VARIANTS[name]
         built: dict = {}
         try:
             memory = peak_memory_mb(lambda: built.update(warm_up(make, ids, kind)))
@@ -210,12 +212,12 @@ def rows_for(batch: int, tokens: int, device: torch.device, kind: str = "plain")
     inner = 5 if tokens * batch <= 512 else 1
     timings = time_variants(calls, rounds=3, repeats=10, inner=inner)
     base = timings["eager"]["median_ms"]
-    best_compiled = min(timings[name]["median_ms"] for name in COMPILED if name in timings)
+    best_compiled = min((timings[name]["median_ms"] for name in COMPILED if name in timings), default=None)
     for row in rows:
         if row["variant"] in timings:
             row.update(timings[row["variant"]])
             row["speedup_vs_baseline"] = base / row["median_ms"]
-            row["speedup_vs_best_compile"] = best_compiled / row["median_ms"]
+            row["speedup_vs_best_compile"] = best_compiled / row["median_ms"] if best_compiled else None
             row["tokens_per_s"] = batch * tokens / row["median_ms"] * 1e3
     return rows
 
@@ -223,13 +225,18 @@ def rows_for(batch: int, tokens: int, device: torch.device, kind: str = "plain")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the variants to build and time (eager, the baseline, always runs)")
     options = parser.parse_args()
     device = torch.device("cuda")
-    name = "train" if options.cases == list(CASES) else f"train-{'-'.join(options.cases)}"
+    variants = ["eager"] + [name for name in options.variants if name != "eager"]
+    subset = [] if options.cases == list(CASES) else options.cases
+    subset += [] if set(variants) == set(VARIANTS) else variants[1:]
+    name = "-".join(["train", *subset])
     rows = []
     for case in options.cases:
         batch, tokens, kind = CASES[case]
-        found = rows_for(batch, tokens, device, kind)
+        found = rows_for(batch, tokens, device, kind, variants)
         release()
         print_table(found, COLUMNS, f"{case}: training step ({torch.cuda.get_device_name()})")
         rows += found
