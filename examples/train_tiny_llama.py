@@ -43,11 +43,13 @@ def train(steps: int = 300, batch: int = 32, lr: float = 3e-3, device: str | Non
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     model = make_model(device)
-    forward, params = df.pure(model)
-    params = {name: p.detach() for name, p in params.items() if p.is_floating_point()}
+    forward, state_dict = df.pure(model)
+    trained = dict(model.named_parameters())        # the buffers (rotary frequencies) are not trained
+    params = {name: p.detach() for name, p in state_dict.items() if name in trained}
+    buffers = {name: b for name, b in state_dict.items() if name not in trained}
 
     def loss_fn(params, ids):
-        logits = forward(params, ids, use_cache=False).logits
+        logits = forward({**params, **buffers}, ids, use_cache=False).logits
         predicted = logits[:, LENGTH:-1]                    # positions that predict the copied tokens
         return F.cross_entropy(predicted.reshape(-1, VOCAB), ids[:, LENGTH + 1:].reshape(-1))
 

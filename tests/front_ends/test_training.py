@@ -145,6 +145,19 @@ def test_example_learns_to_copy_and_its_bar_leaves_a_line_in_a_log():
     assert log.getvalue().count("\n") <= 2, log.getvalue()   # the bar's last state, and the first call's split
 
 
+def test_example_trains_the_parameters_and_leaves_the_buffers_as_they_are(monkeypatch):
+    example = load_example("train_tiny_llama")
+    made, make_model = [], example.make_model
+    monkeypatch.setattr(example, "make_model", lambda device: made.append(make_model(device)) or made[-1])
+    example.train(steps=3, device="cpu", plot=None, progress=False)
+    torch.manual_seed(0)                                   # train()'s seed: the model it started from
+    untrained = make_model("cpu")
+    (trained,) = made
+    for (name, buffer), (_, before) in zip(trained.named_buffers(), untrained.named_buffers()):
+        assert torch.equal(buffer, before), f"{name} was trained"
+    assert not torch.equal(trained.lm_head.weight, untrained.lm_head.weight)
+
+
 def test_example_writes_its_plot_into_a_folder_git_ignores():
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
