@@ -90,6 +90,45 @@ def test_a_donated_update_chain_runs_inplace_and_copies_nothing():
     torch.testing.assert_close(p, expected)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(order=st.permutations(range(3)), scales=st.lists(st.sampled_from([0.5, 2.0, 3.0]), min_size=3, max_size=3),
+       donated=st.sets(st.integers(0, 2), min_size=1), extra=st.booleans())
+def test_donated_outputs_of_the_same_layout_in_any_order_equal_eager(order, scales, donated, extra):
+    """Outputs of the donated inputs' layout, returned in another order than the inputs (swapped, one
+    more of them): each donated input receives one of them, and every result is still eager's."""
+    def step(a, b, c):
+        inputs = (a, b, c)
+        outs = [inputs[i] * scale for i, scale in zip(order, scales)]
+        return (*outs, a + b) if extra else tuple(outs)
+
+    args = [torch.randn(5) for _ in range(3)]
+    fast = df.jit(step, donate_argnums=tuple(sorted(donated)), backend="eager")
+    df.verify(fast.lower(*args))
+    expected = step(*[a.clone() for a in args])
+    torch.testing.assert_close(fast(*args), expected)
+
+
+def test_a_train_step_returning_its_state_before_its_parameters_equals_eager():
+    optimizer = df.optim.sgd(lr=0.1, momentum=0.9)
+
+    def loss_fn(params, x):
+        return (x @ params["w"]).square().mean()
+
+    def train_step(params, state, x):
+        loss, grads = df.value_and_grad(loss_fn)(params, x)
+        params, state = optimizer.update(grads, state, params)
+        return state, params, loss                                # the state first
+
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    fast = df.jit(train_step, donate_argnums=(0, 1))
+    eager_params, params = {"w": w.clone()}, {"w": w.clone()}
+    eager_state, state = optimizer.init(eager_params), optimizer.init(params)
+    for _ in range(2):                                            # the second step takes the first's results
+        eager_state, eager_params, eager_loss = train_step(eager_params, eager_state, x)
+        state, params, loss = fast(params, state, x)
+        torch.testing.assert_close((state, params, loss), (eager_state, eager_params, eager_loss))
+
+
 def test_an_argument_read_later_is_not_overwritten():
     def update(ps, g):
         return [x.mul(0.9).sub(g) for x in ps], ps[0].sum()
