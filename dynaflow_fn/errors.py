@@ -27,13 +27,24 @@ class InputError(DynaflowError, TypeError):
     """An argument has a structure, type, device or value that the function or transform cannot take."""
 
 
-class PaddedUpdateError(InputError):
+class UnpaddableError(InputError):
+    """Padding a function's batch to a bucket would not give its real rows' results. Raised where the
+    caller chose the padding itself and can plan each size instead (`df.compile_backend`), which says
+    why in its own words: `reason`."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class PaddedUpdateError(UnpaddableError):
     """A function given buckets updates in place an input that in_axes pads: the update would land in the
-    padded copy. `updated` names those inputs, for a caller that chose the padding itself
-    (`df.compile_backend`) to say so in its own words."""
+    padded copy. Raised for every caller: `updated` names those inputs."""
 
     def __init__(self, message: str, updated: list[str]):
-        super().__init__(message)
+        super().__init__(message, f"it updates {', '.join(updated)} in place, which hold the batch's rows, and a "
+                                  f"padded copy would take the update instead of the caller's tensor (a KV cache made "
+                                  f"for each batch, as transformers' StaticCache is)")
         self.updated = updated
 
 

@@ -10,7 +10,6 @@ a graph whose sizes depend on tensor data cannot be planned at all (`check_sizes
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,9 +18,11 @@ from torch import fx
 from .. import compat
 from ..errors import InputError, TraceError, warn
 from ..jitting.buckets import bucket_sizes
-from ..jitting.jitted import Jitted, jit
+from ..jitting.jitted import Jitted
+from ..jitting.options import JitOptions
 from ..jitting.state import is_state
 from .batching import Batch, find_batch
+from .node_text import op_text, where
 from .specializing import Specialized, has_symbolic_inputs, lift_item_reads
 from .training import TrainingGraph
 from .views import DYNAMO, split_views
@@ -131,7 +132,8 @@ class CompileBackend:
     def _jitted(self, fn: Callable[..., Any], options: dict[str, Any]) -> Jitted:
         if self.transforms is not None:
             fn = self.transforms(fn)
-        jitted = jit(fn, backend=self.backend, strategy=self.strategy, **options)
+        jitted = Jitted(fn, JitOptions(backend=self.backend, strategy=self.strategy, refuse_inexact_padding=True,
+                                       **options))
         self.graphs.append(jitted)
         return jitted
 
@@ -183,32 +185,11 @@ def check_sizes_known(graph_module: fx.GraphModule) -> None:
     if node is None:
         return
     raise TraceError(
-        f"{_op_text(node)}{_where(node)} gives a result whose size or value depends on tensor data, which "
+        f"{op_text(node)}{where(node)} gives a result whose size or value depends on tensor data, which "
         f"Dynamo captured because torch._dynamo.config.capture_dynamic_output_shape_ops or "
         f"capture_scalar_outputs is set. dynaflow_fn plans have static "
         f"shapes: leave both off (the default), so that Dynamo runs that op outside the graph, or keep the "
         f"size static (torch.where or masked_fill instead of indexing with a mask or nonzero).")
-
-
-def _op_text(node: fx.Node) -> str:
-    target = node.target
-    if node.op == "call_method":
-        return f"Tensor.{target}"
-    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
-
-
-def _where(node: fx.Node) -> str:
-    """` at file:line (`code`)` for the user's line in a node's stack trace; empty without one."""
-    lines = [line.strip() for line in (node.stack_trace or "").strip().splitlines()]
-    frames = [(i, frame) for i, line in enumerate(lines) if (frame := _FRAME.match(line))]
-    if not frames:
-        return ""
-    index, frame = frames[-1]
-    code = f" (`{lines[index + 1]}`)" if index + 1 < len(lines) else ""
-    return f" at {frame['file']}:{frame['line']}{code}"
-
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
 def _passed_by_the_caller(graph_module: fx.GraphModule) -> list[bool | None]:

@@ -29,6 +29,14 @@ embeddings averaged over their own rows) would be silently wrong padded, and one
 beside padded ids may be read by the batch's size (`images[:batch]`, past its rows at a bucket). It
 makes the graph planned per size, with a warning. A symbol that also sizes another dimension (a
 sequence length equal to the batch by chance) is not a batch.
+
+Padded, the batch size is the bucket's, everywhere the graph reads it. That is right where it shapes
+tensors (`view(b, -1)`, `arange(b)`, `zeros(b, d)`) or counts all the rows (`x[:b]`): those are the
+padded batch's rows, cut off the outputs later. Read as a number (`x * x.shape[0]`, a fill value,
+`x[b - 1]`), it would give the bucket's value in the real rows, so such a graph is planned per size
+(`_read_as_a_number`). What the graph does with the rows themselves (a softmax over them, a batch
+mean) the padding check of df.jit finds once the graph is traced; for the backend, which chose to pad,
+that too means planning per size (`JitOptions.refuse_inexact_padding`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from torch import fx
 
 from .. import compat
 from ..jitting.state import is_state
+from .node_text import op_text, where
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
@@ -94,6 +103,9 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
             return f"input {names[i]} ({shown}) has the batch size {symbol} in it but is not padded along dimension 0"
         if i in tensors and _mentions(value, symbol, skip_first=True):
             return f"input {names[i]} has the batch size {symbol} in another dimension too ({shown})"
+    read = _read_as_a_number(graph_module, {symbol, *(str(values[i].shape[0]) for i in agreeing)})
+    if read is not None:
+        return read
     out_axes = []
     for index, value in enumerate(outputs):
         batched = isinstance(value, torch.Tensor) and value.dim() and str(value.shape[0]) == symbol
@@ -120,6 +132,64 @@ def _second_symbol(candidates: Sequence[int], values: Sequence[Any], sized: Sequ
                     f"the batch cannot be told. To pad both, say so: df.jit(step, buckets=..., in_axes=...) pads "
                     f"exactly the arguments in_axes names, e.g. in_axes=(0, 0) for (input_ids, attention_mask)")
     return None
+
+
+_SIZED_BY_METHODS = frozenset({"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full", "repeat",
+                               "unflatten", "size"})
+"""Tensor methods whose arguments after the tensor are sizes (`new_full`'s fill value excepted)."""
+
+_SIZED_BY_FUNCTIONS = frozenset({torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
+                                 torch.reshape})
+"""Functions whose arguments are sizes (`full`'s fill value excepted)."""
+
+_FILL_POSITIONS = {"new_full": 2, torch.full: 1}
+
+
+def _read_as_a_number(graph_module: fx.GraphModule, symbols: set[str]) -> str | None:
+    """Why the graph cannot be padded if it reads a size of the batch (one of `symbols`, or an expression
+    of one) as a number: `x * x.shape[0]`, `torch.full(shape, float(b))`, `x[b - 1]`. Padded, the size
+    is the bucket's, so such a value would be too. Sizes that only shape tensors (`view(b, -1)`,
+    `arange(b)`, `zeros(b, d)`) or count all the rows (`x[:b]`) are the padded batch's rows, which the
+    outputs are cut back to. None if every read is such."""
+    for node in graph_module.graph.nodes:
+        value = node.meta.get("example_value")
+        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or not symbols & set(_NAME.findall(str(value))):
+            continue
+        for user in node.users:
+            if not _reads_as_a_size(user, node, str(value) in symbols):
+                return (f"it reads the batch size ({value}) as a number in {op_text(user)}{where(user)}, and padded, "
+                        f"that number would be the bucket's")
+    return None
+
+
+def _reads_as_a_size(user: fx.Node, size: fx.Node, whole_batch: bool) -> bool:
+    """Whether `user` reads `size` only as a size: in arithmetic on sizes, as a size argument of a call
+    that makes or reshapes a tensor, or (`whole_batch`, the batch size itself) as the end of a slice of
+    all the rows (`x[:b]`)."""
+    value = user.meta.get("example_value")
+    if isinstance(value, torch.SymInt) or (isinstance(value, (tuple, list)) and value
+                                           and all(isinstance(v, (int, torch.SymInt)) for v in value)):
+        return True
+    if user.op == "output":
+        return True                                       # the output checks say whether it can be cut
+    name = user.target if user.op == "call_method" else user.target if user.op == "call_function" else None
+    sized = ((user.op == "call_method" and name in _SIZED_BY_METHODS)
+             or (user.op == "call_function" and name in _SIZED_BY_FUNCTIONS))
+    if sized:
+        fill = _FILL_POSITIONS.get(name)
+        fills = [*user.args[fill:fill + 1], user.kwargs.get("fill_value")] if fill is not None else []
+        return not any(size in _nodes_in(f) for f in fills)
+    if user.op == "call_function" and user.target is operator.getitem and whole_batch:
+        index = _index_tuple(user.args[1])
+        return (isinstance(index[0], slice) and index[0].start in (None, 0) and index[0].stop is size
+                and index[0].step in (None, 1) and not any(size in _nodes_in(i) for i in index[1:]))
+    return False
+
+
+def _nodes_in(argument: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(argument, found.append)
+    return found
 
 
 _KEEPING_ROWS = frozenset({"to", "bool", "float", "half", "bfloat16", "double", "long", "int", "contiguous", "clone",

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ..errors import PaddedUpdateError, warn
+from ..errors import UnpaddableError, warn
 from ..ir.tree import Flat, picker
 from ..jitting.call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from ..jitting.guard import call_state
@@ -133,19 +133,17 @@ class Specialized:
         jitted = self.jitted_for(args)
         try:
             return jitted(*self.tensors_of(args))
-        except PaddedUpdateError as error:
+        except UnpaddableError as error:
             if self.batch is None:
                 raise
             self._plan_per_size(error)
             return self(*given)
 
-    def _plan_per_size(self, error: PaddedUpdateError) -> None:
-        """Give up padding: the graph updates a tensor of the batch in place (a KV cache made with the
-        batch's rows), which a padded copy cannot stand in for. Later calls are planned per size."""
-        warn(f"df.compile_backend(buckets=...) cannot pad this graph: it updates {', '.join(error.updated)} in place, "
-             f"which hold the batch's rows, and a padded copy would take the update instead of the caller's tensor "
-             f"(a KV cache made for each batch, as transformers' StaticCache is). It is planned for each batch size "
-             f"instead, as without buckets.")
+    def _plan_per_size(self, error: UnpaddableError) -> None:
+        """Give up padding: its plan found that padded rows would change the real rows' results (rows
+        that interact, a tensor of the batch updated in place). Later calls are planned per size."""
+        warn(f"df.compile_backend(buckets=...) cannot pad this graph: {error.reason}. It is planned for each batch "
+             f"size instead, as without buckets.")
         self.plan = self.unpadded
         self._pad(None)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import optree
 import torch
 
-from ..errors import TraceError, warn
+from ..errors import TraceError, UnpaddableError, warn
 from ..ir.signature import device_of
 from ..ir.tree import Flat
 from ..runtime.shared_pool import SharedPool
@@ -148,6 +148,8 @@ class Bucketing:
         texts = padding_warnings(trace_flat(self.jitted.fn, flat), layout, flat.leaves, self.outputs,
                                  not self.jitted.options.pads_with_zeros,
                                  lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
+        if texts and self.jitted.options.refuse_inexact_padding:
+            raise UnpaddableError(f"df.jit({self.jitted.name}) with buckets: {'; '.join(texts)}", "; ".join(texts))
         self._checked = True                      # only once it passed: a refused call is refused again
         for text in texts:
             warn(f"df.jit({self.jitted.name}) with buckets: {text}")

@@ -39,6 +39,9 @@ class JitOptions:
     buckets: Any = None
     out_axes: Any = 0
     pad_value: Any = 0
+    refuse_inexact_padding: bool = False
+    """With buckets, raise `UnpaddableError` where padding may change the real rows' results, instead of
+    warning: for a caller that chose the padding itself and plans each size instead (compile_backend)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

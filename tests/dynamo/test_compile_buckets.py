@@ -73,6 +73,40 @@ class MaskedByIndex(nn.Module):
         return (self.embed(ids) * rows[:, :, None]).sum(1)
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x: x * x.shape[0],                                           # the batch size as a factor
+    lambda x: torch.full((x.shape[0],), float(x.shape[0])) + x[:, 0],   # ... as a fill value
+    lambda x: x + x[x.shape[0] - 1],                                    # ... as the index of the last row
+    lambda x: torch.softmax(x, 0),                                      # rows that read each other
+    lambda x: x - x.mean(0),
+    lambda x: x.flip(0),
+], ids=["factor", "fill", "last-row", "softmax-over-rows", "minus-batch-mean", "flip"])
+def test_a_graph_padding_would_change_is_planned_per_size_after_a_warning(fn):
+    backend = df.compile_backend(buckets=(2, 4, 8), progress=False)
+    compiled = torch.compile(fn, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="cannot pad this graph"):
+        for rows in (2, 3, 5, 3):
+            x = torch.randn(rows, 4)
+            torch.testing.assert_close(compiled(x), fn(x))
+    assert all(jitted.cache_info().padded_rows == 0 for jitted in backend.graphs)
+
+
+def test_sizes_that_only_shape_tensors_or_count_all_rows_are_padded():
+    def fn(x):
+        rows = x.shape[0]
+        return x.view(rows, 2, -1).sum(1) + torch.arange(rows)[:, None] + torch.zeros(rows, 1) + x[:rows, :2]
+
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(fn, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (2, 3, 5, 7):
+            x = torch.randn(rows, 4)
+            torch.testing.assert_close(compiled(x), fn(x))
+    (padded,) = _padded_graphs(backend)
+    assert padded.cache_info().padded_rows == 1 + 3 + 1
+
+
 def test_a_tensor_read_by_the_batch_rows_under_a_second_symbol_is_padded_with_the_batch():
     model = MaskedByIndex().eval()
     backend = df.compile_backend(buckets=(4, 8), progress=False)
