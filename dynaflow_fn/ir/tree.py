@@ -201,7 +201,7 @@ class LeafKinds:
     static_positions: tuple[int, ...]
 
 
-def _tensor_inside(value: Any) -> str | None:
+def tensor_inside(value: Any) -> str | None:
     """The field path of a tensor held by a dataclass static leaf (at any depth), if there is one."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return None
@@ -209,7 +209,7 @@ def _tensor_inside(value: Any) -> str | None:
         inner = getattr(value, field.name)
         if isinstance(inner, torch.Tensor):
             return f".{field.name}"
-        deeper = _tensor_inside(inner)
+        deeper = tensor_inside(inner)
         if deeper is not None:
             return f".{field.name}{deeper}"
     return None
@@ -232,7 +232,7 @@ def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Se
         if isinstance(leaf, (torch.Tensor, TensorSpec)):
             tensors.append(i)
         elif is_static_leaf(leaf):
-            inside = _tensor_inside(leaf)
+            inside = tensor_inside(leaf)
             if inside is not None:
                 where = path_to_str(paths[i], arg_names)
                 raise InputError(f"argument {where} is a {type(leaf).__name__} holding a tensor at {where}{inside}; "

@@ -20,6 +20,7 @@ import os
 import threading
 import traceback
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -131,14 +132,14 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
             refusing_reseeds(name):
         with refusing_attribute_rebinds(fn, name, called), fake_mode.recording_results() as produced:
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
+        out_paths, out_leaves, out_tree = observed["out"]
+        outputs = _output_specs(out_paths, out_leaves)    # before the escape check: a returned holder is no escape
         _refuse_what_no_plan_replays(traced, produced, observed, fakes, [path_strs[i] for i in kinds.tensor_positions],
                                      fn, name)
         traced, scopes, closed_over, flow = _functional(traced, fn, observed,
                                                         [specs[i] for i in kinds.tensor_positions], fake_mode)
     recorder = observed["recorder"]
 
-    out_paths, out_leaves, out_tree = observed["out"]
-    outputs = _output_specs(out_paths, out_leaves)
     input_names = [tree.identifier(path_strs[i]) for i in kinds.tensor_positions]
     input_names += [n.name for n in traced.graph.nodes if n.op == "placeholder"][len(input_names):]
     graph_module = _rebuild(traced, input_names, scopes)
@@ -241,12 +242,14 @@ def _output_specs(paths: Sequence[tuple], leaves: Sequence[Any]) -> tuple[Output
         if isinstance(leaf, torch.Tensor):
             specs.append(OutputSpec(where, index))
             index += 1
-        elif tree.is_static_leaf(leaf):
+        elif tree.is_static_leaf(leaf) and tree.tensor_inside(leaf) is None:
             specs.append(OutputSpec(where, None, leaf))
         else:
+            fields = ("`dict(result)` (its fields as a plain dict: a transformers ModelOutput's, say), or its "
+                      "tensors" if isinstance(leaf, Mapping) else "its tensor fields")
             raise TraceError(f"the function returned a {type(leaf).__qualname__} at {where}; outputs must be tensors, "
-                             f"Python scalars, or tuples/lists/dicts of them. Return its tensor fields instead, or "
-                             f"register the type with optree.register_pytree_node.")
+                             f"Python scalars, or tuples, lists, dicts and namedtuples of them. Return {fields} "
+                             f"instead, or register the type with optree.register_pytree_node.")
     return tuple(specs)
 
 

@@ -3,6 +3,9 @@ generator of its own, changing an argument's layout in place, rebinding a tensor
 tensor of the trace in Python state. Each is compared with eager PyTorch where the function is fine,
 and the caller's state is checked to be left as it was where it is refused."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
@@ -201,3 +204,29 @@ def test_a_generator_of_the_functions_own_is_refused_with_what_to_do_instead():
     with pytest.raises(df.errors.InputError, match=r"argument generator is a Generator.*draw the random tensors "
                                                    r"outside the function"):
         df.jit(noisy_from, progress=False)(torch.randn(3), closed_over)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    value: torch.Tensor
+
+
+def _model_output(tensor):
+    from transformers.modeling_outputs import BaseModelOutput
+
+    return BaseModelOutput(last_hidden_state=tensor)
+
+
+@pytest.mark.parametrize("wrap, returned, advice", [
+    (_model_output, "BaseModelOutput", "`dict(result)`"),
+    (lambda t: {"out": _Frozen(t)}, "_Frozen", "its tensor fields"),   # hashable: it looked like a static value
+], ids=["model-output", "frozen-dataclass"])
+def test_returning_a_container_that_is_no_pytree_is_a_trace_error_saying_what_to_return(wrap, returned, advice):
+    with pytest.raises(df.errors.TraceError, match=f"returned a {returned} at .* Return {re.escape(advice)}"):
+        df.jit(lambda x: wrap(x * 2))(torch.randn(3))
+
+
+def test_a_model_outputs_fields_returned_as_a_dict_come_back_as_eagers():
+    x = torch.randn(3)
+    torch.testing.assert_close(df.jit(lambda x: dict(_model_output(x * 2)))(x), {"last_hidden_state": x * 2})
