@@ -346,6 +346,28 @@ def test_an_in_place_op_left_in_a_program_is_a_transform_error_naming_the_node()
         df.lower(program)
 
 
+def test_a_pass_that_adds_a_node_without_its_fake_value_is_a_transform_error_naming_the_node():
+    class ScaleGelu(T.Pass):
+        """Wrong: adds a node and forgets its meta['val']."""
+
+        def describe(self):
+            return "scale_gelu"
+
+        def apply(self, program):
+            graph_module, _ = copy_graph_module(program.graph_module)
+            gelu = next(n for n in graph_module.graph.nodes if n.target is torch.ops.aten.gelu.default)
+            with graph_module.graph.inserting_after(gelu):
+                scaled = graph_module.graph.call_function(torch.ops.aten.mul.Tensor, (gelu, 2.0))
+            gelu.replace_all_uses_with(scaled)
+            scaled.args = (gelu, 2.0)
+            graph_module.recompile()
+            return T.record(program, program.with_graph(graph_module), self)
+
+    program = df.trace(lambda x: torch.nn.functional.gelu(x) + 1, torch.randn(3))
+    with pytest.raises(df.TransformError, match=r"scale_gelu left node mul.* without node.meta\['val'\]"):
+        T.apply_transform(program, ScaleGelu())
+
+
 def test_writing_an_inference_tensor_outside_inference_mode_is_refused_naming_it():
     def bump(x):
         doubled = x * 2

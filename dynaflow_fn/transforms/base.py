@@ -103,7 +103,21 @@ def record(program: Program, new: Program, p: Pass) -> Program:
     `program` itself changed nothing: it gets no line, but the pass is remembered all the same, since
     on a program traced again it may find something to do."""
     provenance = program.provenance if new is program else program.provenance + (p.describe(),)
+    if new is not program:
+        _check_values_recorded(new, p)
     return dataclasses.replace(new, provenance=provenance, passes=program.passes + (p,))
+
+
+def _check_values_recorded(program: Program, p: Pass) -> None:
+    """Raise a TransformError naming a node that `p` added without the fake value (`meta["val"]`) every
+    later stage reads: lowering plans each result's memory by its shape, strides and dtype."""
+    for node in program.graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta:
+            raise TransformError(
+                f"{p.describe()} left node {node.name} ({node.target}) without node.meta['val'], the fake tensor "
+                f"that says its shape, strides and dtype, which lowering plans its memory by. Set it on every node "
+                f"a pass adds: copy it from a node of the same result (node.meta['val'] = other.meta['val']), or call "
+                f"the op on its arguments' meta['val'] values")
 
 
 def retraced(program: Program, p: Pass, name: str) -> Program:
