@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..compat import StorageWeakRef
 from ..ir import ops
 
 
