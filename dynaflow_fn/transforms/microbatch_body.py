@@ -32,11 +32,12 @@ from torch import fx
 
 from ..compat import outside_current_trace
 from ..errors import TraceError
+from ..ir import ops
 from ..ir.program import Program
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
 from .batch_rows import follow_rows, reads_values
-from .row_states import Reduced, Rows, State
+from .row_states import Reduced, Rows, State, describe
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
                     "else than the unsplit one.")
@@ -51,6 +52,8 @@ class BodyFacts:
     shared: frozenset[str] = frozenset()
     rows: dict[str, State] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    target_means: tuple[str, ...] = ()
+    """The losses that average over their targets, not over rows (`target_mean_losses`)."""
 
 
 def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any], paths: Sequence[str],
@@ -90,7 +93,25 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
         texts.append(f"microbatch: the function updates {', '.join(updated)} in place; micro-batched, the update "
                      f"runs once per micro-batch instead of once per call. Keep that update outside the "
                      f"micro-batched function (for BatchNorm's running statistics: eval mode).")
-    return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts))
+    return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts),
+                     target_mean_losses(program))
+
+
+_TARGET_MEANS = (torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward)
+
+
+def target_mean_losses(program: Program) -> tuple[str, ...]:
+    """The negative log-likelihood losses (cross-entropy's) of `program` with reduction "mean": each
+    divides by the summed weight of its targets other than `ignore_index`, not by its rows. Where
+    micro-batches hold different shares of ignored targets (padding, prompt tokens labelled -100) or
+    of class weight, the mean of their means, weighted by rows, is not the batch's mean."""
+    found = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _TARGET_MEANS:
+            bound = ops.bind_arguments(node.target, node.args, node.kwargs)
+            if bound.get("reduction") == 1:
+                found.append(describe(node))
+    return tuple(found)
 
 
 def _numbers(program: Program) -> dict[str, Any]:

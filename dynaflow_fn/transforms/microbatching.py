@@ -295,6 +295,14 @@ def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: B
         if report and isinstance(values[0], torch.Tensor) and axis is not None and (
                 text := merge_warning(where, facts.rows.get(where), axis, values[0].dim())):
             warn(text)
+    if report and facts.target_means and "mean" in axes:
+        warn(f"microbatch: the loss averages over its targets, not its rows ({', '.join(facts.target_means)}: "
+             f"cross-entropy's reduction='mean' divides by the targets other than ignore_index, weighted by class "
+             f"weight if given), and out_axes \"mean\" weights the micro-batches by rows. The two agree only where "
+             f"every micro-batch holds the same share of such targets; with targets labelled ignore_index (padding, "
+             f"prompt tokens: -100), the loss and gradients are not the batch's. Sum the loss instead "
+             f"(reduction='sum'), divide it by the whole batch's count of counted targets (an argument not split, "
+             f"as transformers' num_items_in_batch), and merge with out_axes \"sum\".")
     return optree.tree_unflatten(tree, merged)
 
 

@@ -326,6 +326,36 @@ def test_mse_gradient_accumulation_equals_the_full_batch_gradients_and_does_not_
         torch.testing.assert_close(grads[name], full_grads[name])
 
 
+def _token_model():
+    fn, params = df.pure(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32)))
+    ids, labels = torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6))
+    labels[2:, 1:] = -100                                  # rows 2 and 3 are mostly padding
+    return fn, {k: v.detach() for k, v in params.items()}, ids, labels
+
+
+def test_accumulating_a_mean_over_targets_with_a_row_weighted_mean_warns_and_the_summed_recipe_is_exact():
+    fn, params, ids, labels = _token_model()
+
+    def mean_loss(params, ids, labels):                    # cross-entropy's default: a mean over counted targets
+        return nn.functional.cross_entropy(fn(params, ids).flatten(0, 1), labels.flatten())
+
+    accumulate = T.microbatch(df.value_and_grad(mean_loss), num=2, in_axes=(None, 0, 0), out_axes="mean")
+    with pytest.warns(UserWarning, match=r"the loss averages over its targets, not its rows \(aten\.nll_loss_forward"):
+        df.jit(accumulate)(params, ids, labels)
+
+    def summed_loss(params, ids, labels, counted):         # the warning's recipe
+        return nn.functional.cross_entropy(fn(params, ids).flatten(0, 1), labels.flatten(), reduction="sum") / counted
+
+    counted = (labels != -100).sum()
+    accumulate = T.microbatch(df.value_and_grad(summed_loss), num=2, in_axes=(None, 0, 0, None), out_axes="sum")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loss, grads = df.jit(accumulate)(params, ids, labels, counted)
+    assert _microbatch_warnings(record) == []
+    full_loss, full_grads = df.value_and_grad(mean_loss)(params, ids, labels)
+    torch.testing.assert_close((loss, grads), (full_loss, full_grads))
+
+
 @pytest.mark.parametrize("name", ["mlp", "block", "two-branch", "llama"])
 def test_the_models_the_suite_micro_batches_do_not_warn(name, no_microbatch_warnings):
     if name == "llama":
