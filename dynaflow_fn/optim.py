@@ -148,8 +148,20 @@ def _zeros_like(params: Params) -> Any:
     return _optree.tree_map(_torch.zeros_like, params)
 
 
+def _check_numbers(optimizer: str, **hyperparameters: Any) -> None:
+    """Refuse a hyperparameter that is no Python number (a tensor learning rate, say): the kernels take
+    numbers, which a traced plan holds as constants."""
+    for name, value in hyperparameters.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"df.optim.{optimizer}({name}=...) takes a Python number, got a {type(value).__name__}. A plan "
+                             f"holds it as a constant: to change it, make the optimizer with the new value inside the "
+                             f"jitted step from a float argument (each value is planned once, and df.jit warns when "
+                             f"many are)")
+
+
 def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> Optimizer:
     """Stochastic gradient descent with optional momentum and (coupled) weight decay, as torch.optim.SGD."""
+    _check_numbers("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
     if nesterov and momentum <= 0:
         raise InputError(f"sgd(nesterov=True) needs momentum > 0, got momentum={momentum}")
     state_layout = {"momentum": _like_parameter} if momentum else {}
@@ -179,7 +191,9 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
     """Adam with decoupled weight decay, computed by torch's fused AdamW kernel (as
     `torch.optim.AdamW(fused=True)`). The step counts are tensors in the state, so every step replays
     the same graph; under `df.jit` with donated parameters and state the kernel updates them in place."""
+    _check_numbers("adamw", lr=lr, eps=eps, weight_decay=weight_decay)
     beta1, beta2 = betas
+    _check_numbers("adamw", beta1=beta1, beta2=beta2)
     state_layout = {"step": _step_count, "exp_avg": _like_parameter, "exp_avg_sq": _like_parameter}
 
     def init(params: Params) -> State:

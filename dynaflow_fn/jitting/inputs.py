@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import optree
 import torch
 
 from ..errors import InputError, warn
@@ -56,10 +57,12 @@ class TensorInputs:
 
 def _check_names_tensors(index: int, option: str, args: tuple, arg_names: Sequence[str],
                          tensor_paths: Sequence[tuple]) -> None:
-    """Raise unless positional argument `index` exists and holds a tensor."""
+    """Raise unless positional argument `index` exists and holds a tensor, or is an empty container
+    (the state of an optimizer that keeps none, `df.optim.sgd(lr)`'s `{}`: nothing to donate)."""
     if not 0 <= index < len(args):
         raise InputError(f"{option} names argument {index}, but the call passes {len(args)} positional arguments")
-    if not any(path[:2] == (0, index) for path in tensor_paths):
+    empty = isinstance(args[index], (tuple, list, dict)) and not optree.tree_leaves(args[index])
+    if not empty and not any(path[:2] == (0, index) for path in tensor_paths):
         name = arg_names[index] if index < len(arg_names) else f"args[{index}]"
         raise InputError(f"{option} names argument {index} ({name}), which holds no tensor "
                          f"(it is a {type(args[index]).__name__}); {option} applies to tensors only")

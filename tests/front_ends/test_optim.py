@@ -129,3 +129,28 @@ def test_the_check_runs_inside_a_jitted_training_step(name):
         copies, state, _ = step(copies, state, x, y)
     for k in params:
         torch.testing.assert_close(copies[k], expected_params[k])
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda: df.optim.adamw(lr=torch.tensor(1e-2)), "adamw(lr=...)"),
+    (lambda: df.optim.adamw(betas=(torch.tensor(0.9), 0.999)), "adamw(beta1=...)"),
+    (lambda: df.optim.sgd(lr=torch.tensor(1e-2)), "sgd(lr=...)"),
+], ids=["adamw-lr", "adamw-beta", "sgd-lr"])
+def test_a_hyperparameter_that_is_no_python_number_is_refused_when_the_optimizer_is_made(make, named):
+    with pytest.raises(df.InputError, match=re.escape(named) + r" takes a Python number, got a Tensor"):
+        make()
+
+
+def test_a_training_step_with_an_optimizer_that_keeps_no_state_may_donate_it():
+    optimizer = df.optim.sgd(lr=0.1)                          # its state is {}: nothing to donate, nothing refused
+
+    def train_step(params, state, x):
+        loss, grads = df.value_and_grad(lambda p, x: (x @ p["w"]).square().mean())(params, x)
+        params, state = optimizer.update(grads, state, params)
+        return params, state, loss
+
+    w, x = torch.randn(3, 2), torch.randn(4, 3)
+    expected = train_step({"w": w.clone()}, optimizer.init({"w": w}), x)
+    params = {"w": w.clone()}
+    got = df.jit(train_step, donate_argnums=(0, 1))(params, optimizer.init(params), x)
+    torch.testing.assert_close(got, expected)
