@@ -309,6 +309,11 @@ def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: B
 def _merge_leaf(where: str, axis: Any, values: Sequence[Any], sizes: Sequence[int]) -> Any:
     if not isinstance(values[0], torch.Tensor) or axis is None:
         return values[0]
+    shapes = {tuple(value.shape) for value in values}
+    if axis in _REDUCTIONS and len(shapes) > 1:
+        raise TransformError(f"microbatch: out_axes \"{axis}\" adds up {where} across micro-batches, but its shapes "
+                             f"differ between them ({', '.join(str(list(shape)) for shape in sorted(shapes))}): it has "
+                             f"rows of the batch. Give it the axis of those rows in out_axes (0, say) to concatenate it")
     if axis == "sum":
         return functools.reduce(torch.add, values)
     if axis == "mean":

@@ -404,3 +404,11 @@ def test_help_explains_the_conventions():
     for phrase in ["in_axes=(None, 0)", "nn.Parameter", "passed by keyword are split along axis 0", '"mean"',
                    "torch.tensor_split", "reads no split input", "eval mode", ">>> step = T.microbatch("]:
         assert phrase in doc, phrase
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_adding_up_outputs_whose_shapes_differ_between_uneven_micro_batches_is_a_transform_error(reduce):
+    step = T.microbatch(lambda x: x * 2, num=2, in_axes=0, out_axes=reduce)      # per-row output, 3 rows: 2 + 1
+    with pytest.raises(df.TransformError, match=rf"out_axes \"{reduce}\" adds up out across micro-batches, but its "
+                                                r"shapes differ between them \(\[1, 3\], \[2, 3\]\)"):
+        step(torch.randn(3, 3))
