@@ -172,11 +172,10 @@ def _reads_as_a_size(user: fx.Node, size: fx.Node, whole_batch: bool) -> bool:
         return True
     if user.op == "output":
         return True                                       # the output checks say whether it can be cut
-    name = user.target if user.op == "call_method" else user.target if user.op == "call_function" else None
-    sized = ((user.op == "call_method" and name in _SIZED_BY_METHODS)
-             or (user.op == "call_function" and name in _SIZED_BY_FUNCTIONS))
+    sized = ((user.op == "call_method" and user.target in _SIZED_BY_METHODS)
+             or (user.op == "call_function" and user.target in _SIZED_BY_FUNCTIONS))
     if sized:
-        fill = _FILL_POSITIONS.get(name)
+        fill = _FILL_POSITIONS.get(user.target)
         fills = [*user.args[fill:fill + 1], user.kwargs.get("fill_value")] if fill is not None else []
         return not any(size in _nodes_in(f) for f in fills)
     if user.op == "call_function" and user.target is operator.getitem and whole_batch:
