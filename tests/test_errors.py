@@ -327,45 +327,45 @@ def test_a_pass_or_rule_that_leaves_out_an_abstract_method_cannot_be_made():
         NoMatch()
 
 
-def test_an_in_place_op_left_in_a_program_is_a_transform_error_naming_the_node():
-    class WriteInPlace(T.Pass):
-        """Wrong: turns the first `relu` into `relu_`, which writes an intermediate in place."""
-
+def _graph_edit(name, edit):
+    """A user's T.Pass named `name` that runs `edit(graph)` on a copy of the program's graph."""
+    class GraphEdit(T.Pass):
         def describe(self):
-            return "write_in_place"
+            return name
 
         def apply(self, program):
             graph_module, _ = copy_graph_module(program.graph_module)
-            node = next(n for n in graph_module.graph.nodes if n.target is torch.ops.aten.relu.default)
-            node.target = torch.ops.aten.relu_.default
+            edit(graph_module.graph)
             graph_module.recompile()
             return T.record(program, program.with_graph(graph_module), self)
+    return GraphEdit()
 
-    program = T.apply_transform(df.trace(lambda x: (x * 2).relu() + 1, torch.randn(3)), WriteInPlace())
+
+def _first(graph, target):
+    return next(node for node in graph.nodes if node.target is target)
+
+
+def test_an_in_place_op_left_in_a_program_is_a_transform_error_naming_the_node():
+    def write_in_place(graph):                     # wrong: relu_ writes an intermediate in place
+        _first(graph, torch.ops.aten.relu.default).target = torch.ops.aten.relu_.default
+
+    program = T.apply_transform(df.trace(lambda x: (x * 2).relu() + 1, torch.randn(3)),
+                                _graph_edit("write_in_place", write_in_place))
     with pytest.raises(df.TransformError, match=r"relu = aten.relu_\(...\) writes mul in place.*functional op"):
         df.lower(program)
 
 
 def test_a_pass_that_adds_a_node_without_its_fake_value_is_a_transform_error_naming_the_node():
-    class ScaleGelu(T.Pass):
-        """Wrong: adds a node and forgets its meta['val']."""
-
-        def describe(self):
-            return "scale_gelu"
-
-        def apply(self, program):
-            graph_module, _ = copy_graph_module(program.graph_module)
-            gelu = next(n for n in graph_module.graph.nodes if n.target is torch.ops.aten.gelu.default)
-            with graph_module.graph.inserting_after(gelu):
-                scaled = graph_module.graph.call_function(torch.ops.aten.mul.Tensor, (gelu, 2.0))
-            gelu.replace_all_uses_with(scaled)
-            scaled.args = (gelu, 2.0)
-            graph_module.recompile()
-            return T.record(program, program.with_graph(graph_module), self)
+    def scale_gelu(graph):                         # wrong: the new node has no meta['val']
+        gelu = _first(graph, torch.ops.aten.gelu.default)
+        with graph.inserting_after(gelu):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (gelu, 2.0))
+        gelu.replace_all_uses_with(scaled)
+        scaled.args = (gelu, 2.0)
 
     program = df.trace(lambda x: torch.nn.functional.gelu(x) + 1, torch.randn(3))
     with pytest.raises(df.TransformError, match=r"scale_gelu left node mul.* without node.meta\['val'\]"):
-        T.apply_transform(program, ScaleGelu())
+        T.apply_transform(program, _graph_edit("scale_gelu", scale_gelu))
 
 
 def test_writing_an_inference_tensor_outside_inference_mode_is_refused_naming_it():
