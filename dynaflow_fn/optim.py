@@ -27,6 +27,7 @@ parameters and call `optimizer.step()` outside the jitted function.
 
 from __future__ import annotations
 
+import numbers as _numbers
 import reprlib as _reprlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -152,7 +153,7 @@ def _check_numbers(optimizer: str, **hyperparameters: Any) -> None:
     """Refuse a hyperparameter that is no Python number (a tensor learning rate, say): the kernels take
     numbers, which a traced plan holds as constants."""
     for name, value in hyperparameters.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, _numbers.Real):
             raise InputError(f"df.optim.{optimizer}({name}=...) takes a Python number, got a {type(value).__name__}. A plan "
                              f"holds it as a constant: to change it, make the optimizer with the new value inside the "
                              f"jitted step from a float argument (each value is planned once, and df.jit warns when "

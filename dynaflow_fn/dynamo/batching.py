@@ -138,9 +138,10 @@ _SIZED_BY_METHODS = frozenset({"view", "reshape", "expand", "new_zeros", "new_on
                                "unflatten", "size"})
 """Tensor methods whose arguments after the tensor are sizes (`new_full`'s fill value excepted)."""
 
-_SIZED_BY_FUNCTIONS = frozenset({torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
+_SIZED_BY_FUNCTIONS = frozenset({torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
                                  torch.reshape})
-"""Functions whose arguments are sizes (`full`'s fill value excepted)."""
+"""Functions whose arguments are sizes (`full`'s fill value excepted); `arange` counts the rows only up
+to the size (`_counts_up_to`)."""
 
 _FILL_POSITIONS = {"new_full": 2, torch.full: 1}
 
@@ -172,6 +173,8 @@ def _reads_as_a_size(user: fx.Node, size: fx.Node, whole_batch: bool) -> bool:
         return True
     if user.op == "output":
         return True                                       # the output checks say whether it can be cut
+    if user.op == "call_function" and user.target is torch.arange:
+        return _counts_up_to(user, size)
     sized = ((user.op == "call_method" and user.target in _SIZED_BY_METHODS)
              or (user.op == "call_function" and user.target in _SIZED_BY_FUNCTIONS))
     if sized:
@@ -183,6 +186,21 @@ def _reads_as_a_size(user: fx.Node, size: fx.Node, whole_batch: bool) -> bool:
         return (isinstance(index[0], slice) and index[0].start in (None, 0) and index[0].stop is size
                 and index[0].step in (None, 1) and not any(size in _nodes_in(i) for i in index[1:]))
     return False
+
+
+def _counts_up_to(arange: fx.Node, size: fx.Node) -> bool:
+    """Whether `arange` counts 0, 1, ... up to `size`: the numbers of the rows. As a start
+    (`arange(b, 0, -1)`) or a step, the size is a value."""
+    return _arange_end(arange) is size
+
+
+def _arange_end(arange: fx.Node) -> Any:
+    """The end of an `arange` node that counts from 0 by 1; None for any other."""
+    bounds = [*arange.args, *(arange.kwargs[k] for k in ("start", "end", "step") if k in arange.kwargs)]
+    if len(bounds) == 1:
+        bounds = [0, bounds[0], 1]
+    start, end, step = (*bounds, 1)[:3] if len(bounds) in (2, 3) else (None, None, None)
+    return end if start == 0 and step == 1 else None
 
 
 def _nodes_in(argument: Any) -> list[fx.Node]:
@@ -272,12 +290,9 @@ def _counts_batch_rows(index: Any, symbol: str) -> bool:
         index = index.args[0]
     if not isinstance(index, fx.Node) or index.op != "call_function" or index.target is not torch.arange:
         return False
-    bounds = [*index.args, *(index.kwargs[k] for k in ("start", "end", "step") if k in index.kwargs)]
-    if len(bounds) == 1:
-        bounds = [0, bounds[0], 1]
-    start, end, step = (*bounds, 1)[:3] if len(bounds) in (2, 3) else (None, None, None)
-    return (start == 0 and step == 1 and isinstance(end, fx.Node)
-            and isinstance(value := end.meta.get("example_value"), torch.SymInt) and str(value) == symbol)
+    end = _arange_end(index)
+    return (isinstance(end, fx.Node) and isinstance(value := end.meta.get("example_value"), torch.SymInt)
+            and str(value) == symbol)
 
 
 def _index_tuple(index: Any) -> tuple:

@@ -77,10 +77,11 @@ class MaskedByIndex(nn.Module):
     lambda x: x * x.shape[0],                                           # the batch size as a factor
     lambda x: torch.full((x.shape[0],), float(x.shape[0])) + x[:, 0],   # ... as a fill value
     lambda x: x + x[x.shape[0] - 1],                                    # ... as the index of the last row
+    lambda x: x + torch.arange(x.shape[0], 0, -1)[:, None],             # ... as where a count starts
     lambda x: torch.softmax(x, 0),                                      # rows that read each other
     lambda x: x - x.mean(0),
     lambda x: x.flip(0),
-], ids=["factor", "fill", "last-row", "softmax-over-rows", "minus-batch-mean", "flip"])
+], ids=["factor", "fill", "last-row", "arange-start", "softmax-over-rows", "minus-batch-mean", "flip"])
 def test_a_graph_padding_would_change_is_planned_per_size_after_a_warning(fn):
     backend = df.compile_backend(buckets=(2, 4, 8), progress=False)
     compiled = torch.compile(fn, backend=backend)

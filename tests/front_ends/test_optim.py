@@ -4,6 +4,7 @@ a jitted training step, never a silently wrong update."""
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,3 +155,12 @@ def test_a_training_step_with_an_optimizer_that_keeps_no_state_may_donate_it():
     params = {"w": w.clone()}
     got = df.jit(train_step, donate_argnums=(0, 1))(params, optimizer.init(params), x)
     torch.testing.assert_close(got, expected)
+
+
+def test_numpy_scalars_are_python_numbers_to_an_optimizer():
+    params = _params()
+    grads = _grads(params)
+    for make in (lambda lr: df.optim.adamw(lr=lr), lambda lr: df.optim.sgd(lr=lr, momentum=0.9)):
+        given, plain = make(np.float32(1e-2)), make(1e-2)
+        torch.testing.assert_close(given.update(grads, given.init(params), params),
+                                   plain.update(grads, plain.init(params), params))
