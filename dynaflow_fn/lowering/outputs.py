@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..ir.tree import contiguous_strides
-from ..plan.plan import Layout, Ref, Slot, StepKind, StorageKind
+from ..plan.plan import Layout, Ref, StepKind, StorageKind
 from .draft import PlanDraft, StorageDraft, new_step
 from .sub_pass import sub_pass
 
@@ -37,7 +37,8 @@ def outputs(draft: PlanDraft) -> bool:
         if storage.kind is StorageKind.ARENA:
             storage.kind = StorageKind.OUTPUT
         elif storage.kind in (StorageKind.INPUT, StorageKind.CONSTANT):
-            output_slots[out_index] = _copy_to_output(draft, slot, results[out_index].name)
+            output_slots[out_index] = _fresh_copy(draft, slot_index, StorageKind.OUTPUT, results[out_index].name,
+                                                  "out", "output aliases an input or constant")
     moves = []
     for out_index, in_index in sorted(draft.donate.items()):
         source, target = output_slots[out_index], draft.input_slots[in_index]
@@ -58,14 +59,13 @@ def _write_donated(draft: PlanDraft, moves: list[tuple[int, int, str]]) -> None:
             _overlap(draft, move[0], other[1]) for other in pending if other is not move)), None)
         if ready is None:                                # every target is read by another copy: a cycle
             target, source, name = pending.pop(0)
-            pending.append((target, _copy_to_buffer(draft, draft.slots[source], name), name))
+            pending.append((target, _through_buffer(draft, source, name), name))
             continue
         pending.remove(ready)
         target, source, name = ready
         if _overlap(draft, target, source):              # a shifted copy within one storage
-            source = _copy_to_buffer(draft, draft.slots[source], name)
-        draft.steps.append(new_step(StepKind.COPY, 0, torch.ops.aten.copy_.default, (Ref(target), Ref(source)), {},
-                                    (target,), node=name, note="donated output"))
+            source = _through_buffer(draft, source, name)
+        _copy(draft, target, source, name, "donated output")
 
 
 def _overlap(draft: PlanDraft, one: int, other: int) -> bool:
@@ -74,26 +74,26 @@ def _overlap(draft: PlanDraft, one: int, other: int) -> bool:
     return storage == other_storage and start < other_end and other_start < end
 
 
-def _copy_to_buffer(draft: PlanDraft, slot: Slot, name: str) -> int:
-    """A copy of a donated output in arena memory of its own, for a copy whose target it overlaps."""
-    layout = slot.layout
-    fresh = Layout(layout.shape, contiguous_strides(layout.shape), layout.dtype, layout.device, 0)
-    storage = draft.new_storage(StorageDraft(StorageKind.ARENA, fresh.byte_range()[1]))
-    buffer = draft.new_slot(f"{name}_moved", fresh, storage, True)
-    draft.steps.append(new_step(StepKind.COPY, 0, torch.ops.aten.copy_.default, (Ref(buffer), Ref(slot.index)), {},
-                                (buffer,), node=name, note="donated output, through a buffer"))
-    return buffer
+def _through_buffer(draft: PlanDraft, source: int, name: str) -> int:
+    """A donated output copied into arena memory of its own, for a copy whose target it overlaps."""
+    return _fresh_copy(draft, source, StorageKind.ARENA, name, "moved", "donated output, through a buffer")
 
 
-def _copy_to_output(draft: PlanDraft, slot: Slot, name: str) -> int:
-    layout = slot.layout
+def _fresh_copy(draft: PlanDraft, source: int, kind: StorageKind, name: str, suffix: str, note: str) -> int:
+    """A copy of slot `source` in a new storage of `kind` (an output buffer, or arena memory a donated
+    output passes through), dense as the source is or else contiguous; the copy's slot."""
+    layout = draft.slots[source].layout
     strides = layout.stride if _is_dense(layout) else contiguous_strides(layout.shape)
     fresh = Layout(layout.shape, strides, layout.dtype, layout.device, 0)
-    storage = draft.new_storage(StorageDraft(StorageKind.OUTPUT, fresh.byte_range()[1]))
-    out = draft.new_slot(f"{name}_out", fresh, storage, True)
-    draft.steps.append(new_step(StepKind.COPY, 0, torch.ops.aten.copy_.default, (Ref(out), Ref(slot.index)), {},
-                                (out,), node=name, note="output aliases an input or constant"))
-    return out
+    storage = draft.new_storage(StorageDraft(kind, fresh.byte_range()[1]))
+    copy = draft.new_slot(f"{name}_{suffix}", fresh, storage, True)
+    _copy(draft, copy, source, name, note)
+    return copy
+
+
+def _copy(draft: PlanDraft, target: int, source: int, name: str, note: str) -> None:
+    draft.steps.append(new_step(StepKind.COPY, 0, torch.ops.aten.copy_.default, (Ref(target), Ref(source)), {},
+                                (target,), node=name, note=note))
 
 
 def _is_dense(layout: Layout) -> bool:
