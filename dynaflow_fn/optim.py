@@ -192,9 +192,8 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
     """Adam with decoupled weight decay, computed by torch's fused AdamW kernel (as
     `torch.optim.AdamW(fused=True)`). The step counts are tensors in the state, so every step replays
     the same graph; under `df.jit` with donated parameters and state the kernel updates them in place."""
-    _check_numbers("adamw", lr=lr, eps=eps, weight_decay=weight_decay)
     beta1, beta2 = betas
-    _check_numbers("adamw", beta1=beta1, beta2=beta2)
+    _check_numbers("adamw", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     state_layout = {"step": _step_count, "exp_avg": _like_parameter, "exp_avg_sq": _like_parameter}
 
     def init(params: Params) -> State:

@@ -141,7 +141,7 @@ _SIZED_BY_METHODS = frozenset({"view", "reshape", "expand", "new_zeros", "new_on
 _SIZED_BY_FUNCTIONS = frozenset({torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
                                  torch.reshape})
 """Functions whose arguments are sizes (`full`'s fill value excepted); `arange` counts the rows only up
-to the size (`_counts_up_to`)."""
+to the size, from 0 by 1 (`_arange_end`)."""
 
 _FILL_POSITIONS = {"new_full": 2, torch.full: 1}
 
@@ -174,7 +174,7 @@ def _reads_as_a_size(user: fx.Node, size: fx.Node, whole_batch: bool) -> bool:
     if user.op == "output":
         return True                                       # the output checks say whether it can be cut
     if user.op == "call_function" and user.target is torch.arange:
-        return _counts_up_to(user, size)
+        return _arange_end(user) is size              # the rows' numbers; as a start or a step, a value
     sized = ((user.op == "call_method" and user.target in _SIZED_BY_METHODS)
              or (user.op == "call_function" and user.target in _SIZED_BY_FUNCTIONS))
     if sized:
@@ -186,12 +186,6 @@ def _reads_as_a_size(user: fx.Node, size: fx.Node, whole_batch: bool) -> bool:
         return (isinstance(index[0], slice) and index[0].start in (None, 0) and index[0].stop is size
                 and index[0].step in (None, 1) and not any(size in _nodes_in(i) for i in index[1:]))
     return False
-
-
-def _counts_up_to(arange: fx.Node, size: fx.Node) -> bool:
-    """Whether `arange` counts 0, 1, ... up to `size`: the numbers of the rows. As a start
-    (`arange(b, 0, -1)`) or a step, the size is a value."""
-    return _arange_end(arange) is size
 
 
 def _arange_end(arange: fx.Node) -> Any:

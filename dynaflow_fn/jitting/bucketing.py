@@ -149,7 +149,8 @@ class Bucketing:
                                  not self.jitted.options.pads_with_zeros,
                                  lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
         if texts and self.jitted.options.refuse_inexact_padding:
-            raise UnpaddableError(f"df.jit({self.jitted.name}) with buckets: {'; '.join(texts)}", "; ".join(texts))
+            reason = "; ".join(texts)
+            raise UnpaddableError(f"df.jit({self.jitted.name}) with buckets: {reason}", reason)
         self._checked = True                      # only once it passed: a refused call is refused again
         for text in texts:
             warn(f"df.jit({self.jitted.name}) with buckets: {text}")
