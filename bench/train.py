@@ -230,7 +230,7 @@ def main() -> None:
     options = parser.parse_args()
     device = torch.device("cuda")
     variants = ["eager"] + [name for name in options.variants if name != "eager"]
-    subset = [] if options.cases == list(CASES) else options.cases
+    subset = [] if options.cases == list(CASES) else list(options.cases)
     subset += [] if set(variants) == set(VARIANTS) else variants[1:]
     name = "-".join(["train", *subset])
     rows = []
