@@ -34,15 +34,15 @@ Padded, the batch size is the bucket's, everywhere the graph reads it. That is r
 tensors (`view(b, -1)`, `arange(b)`, `zeros(b, d)`) or counts all the rows (`x[:b]`): those are the
 padded batch's rows, cut off the outputs later. Read as a number (`x * x.shape[0]`, a fill value,
 `x[b - 1]`), it would give the bucket's value in the real rows, so such a graph is planned per size
-(`_read_as_a_number`). What the graph does with the rows themselves (a softmax over them, a batch
-mean) the padding check of df.jit finds once the graph is traced; for the backend, which chose to pad,
-that too means planning per size (`JitOptions.refuse_inexact_padding`).
+(`_read_as_a_number`), as is one that mixes rows it makes from the batch size (`made_rows`). What the
+graph does with the rows it was passed (a softmax over them, a batch mean) the padding check of df.jit
+finds once the graph is traced; for the backend, which chose to pad, that too means planning per size
+(`JitOptions.refuse_inexact_padding`).
 """
 
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -51,9 +51,9 @@ from torch import fx
 
 from .. import compat
 from ..jitting.state import is_state
+from .made_rows import rows_padding_would_change
 from .node_text import op_text, where
-
-_NAME = re.compile(r"[A-Za-z_]\w*")
+from .symbols import SYMBOL, mentions
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
     values = [node.meta.get("example_value") for node in placeholders]
     candidates = [i for i, (value, example) in enumerate(zip(values, example_inputs))
                   if i < len(passed) and passed[i] is True and isinstance(value, torch.Tensor) and value.dim()
-                  and not is_state(example) and _NAME.fullmatch(str(value.shape[0]))]
+                  and not is_state(example) and SYMBOL.fullmatch(str(value.shape[0]))]
     if not candidates:
         return None
     symbol = str(values[candidates[0]].shape[0])
@@ -103,7 +103,8 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
             return f"input {names[i]} ({shown}) has the batch size {symbol} in it but is not padded along dimension 0"
         if i in tensors and _mentions(value, symbol, skip_first=True):
             return f"input {names[i]} has the batch size {symbol} in another dimension too ({shown})"
-    read = _read_as_a_number(graph_module, {symbol, *(str(values[i].shape[0]) for i in agreeing)})
+    symbols = {symbol, *(str(values[i].shape[0]) for i in agreeing)}
+    read = _read_as_a_number(graph_module, symbols) or rows_padding_would_change(graph_module, symbols)
     if read is not None:
         return read
     out_axes = []
@@ -154,7 +155,7 @@ def _read_as_a_number(graph_module: fx.GraphModule, symbols: set[str]) -> str | 
     outputs are cut back to. None if every read is such."""
     for node in graph_module.graph.nodes:
         value = node.meta.get("example_value")
-        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or not symbols & set(_NAME.findall(str(value))):
+        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or not symbols & set(SYMBOL.findall(str(value))):
             continue
         for user in node.users:
             if not _reads_as_a_size(user, node, str(value) in symbols):
@@ -314,4 +315,4 @@ def _sizes_other_than_rows(value: Any, symbol: str) -> bool:
 def _mentions(value: Any, symbol: str, skip_first: bool) -> bool:
     """Whether a tensor's shape (from dimension 1 with `skip_first`) or a size mentions `symbol`."""
     sizes = list(value.shape)[1 if skip_first else 0:] if isinstance(value, torch.Tensor) else [value]
-    return any(symbol in _NAME.findall(str(size)) for size in sizes if isinstance(size, torch.SymInt))
+    return any(mentions(size, {symbol}) for size in sizes)

@@ -9,7 +9,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn.errors import InputError
-from models import Block
+from models import CAUSAL_LMS, Block, causal_lm_inputs, tiny_causal_lm
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,16 @@ class MaskedByIndex(nn.Module):
     lambda x: torch.softmax(x, 0),                                      # rows that read each other
     lambda x: x - x.mean(0),
     lambda x: x.flip(0),
-], ids=["factor", "fill", "last-row", "arange-start", "softmax-over-rows", "minus-batch-mean", "flip"])
+    lambda x: x.repeat(1, x.shape[0]).sum(-1),                          # the batch size sizes a later dimension
+    lambda x: x[:, None].expand(x.shape[0], x.shape[0], 4).sum(1),
+    lambda x: x * torch.ones(x.shape[0], x.shape[0]).sum(1, keepdim=True),
+    lambda x: x * x.new_ones(x.shape[0]).cumsum(0).flip(0)[:, None],    # rows made in the graph, mixed
+    lambda x: x + torch.ones(x.shape[0]).sum(),
+    lambda x: x + torch.arange(x.shape[0])[-1],
+    lambda x: x * (torch.ones(1, x.shape[0]) @ torch.ones(x.shape[0], 1)),
+], ids=["factor", "fill", "last-row", "arange-start", "softmax-over-rows", "minus-batch-mean", "flip",
+        "repeat-then-sum", "expand-then-sum", "ones-square-summed", "made-rows-flipped", "made-rows-summed",
+        "made-rows-last", "made-rows-contracted"])
 def test_a_graph_padding_would_change_is_planned_per_size_after_a_warning(fn):
     backend = df.compile_backend(buckets=(2, 4, 8), progress=False)
     compiled = torch.compile(fn, backend=backend)
@@ -183,18 +192,17 @@ def test_a_second_symbol_is_not_guessed_even_where_its_rows_differ_when_dynamo_m
     assert not _padded_graphs(backend)
 
 
-def test_a_transformers_forward_with_an_attention_mask_is_padded_to_the_buckets():
-    from models import tiny_llama
-
-    model = tiny_llama().eval()
+@pytest.mark.parametrize("name", CAUSAL_LMS)
+def test_a_transformers_forward_with_an_attention_mask_is_padded_to_the_buckets(name):
+    """Every family makes rows from the batch size (mask and rotary tables) and some mix rows
+    (Mixtral sorts its tokens by expert), yet none in a way padding changes: each is padded."""
+    model = tiny_causal_lm(name)
     backend = df.compile_backend(buckets=(4, 8), progress=False)
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         for rows in (2, 3, 5, 7, 3):
-            ids = torch.randint(0, 128, (rows, 9))
-            mask = torch.ones(rows, 9, dtype=torch.long)
-            mask[0, :4] = 0                                          # a left-padded prompt
+            ids, mask = causal_lm_inputs(name, rows)
             expected = model(input_ids=ids, attention_mask=mask).logits
             torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits, expected)
     (padded,) = _padded_graphs(backend)
