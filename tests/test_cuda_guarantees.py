@@ -218,3 +218,34 @@ def test_torch_func_transforms_over_a_graph_backed_function():
     torch.testing.assert_close(torch.func.vmap(fast)(x), torch.tanh(x) * x.sin())
     expected = torch.func.grad(lambda v: (torch.tanh(v) * v.sin()).sum())(x)
     torch.testing.assert_close(torch.func.grad(lambda v: fast(v).sum())(x), expected)
+
+
+def test_each_replay_draws_new_random_numbers():
+    """Random ops inside a CUDA graph draw from torch's generator at each replay, as eager does: a
+    replay that reused its capture's numbers would apply one dropout mask forever."""
+    model = DropoutNet(64).cuda().train()
+    fn, params = df.pure(model)
+    fast = df.jit(lambda params, x: (fn(params, x), torch.rand(4, 64, device="cuda")))
+    x = torch.randn(32, 64, device="cuda")
+    with torch.no_grad():
+        outputs = [tuple(t.clone() for t in fast(params, x)) for _ in range(4)]
+    assert fast.cache_info().captures == 1
+    for (out, noise), (other_out, other_noise) in zip(outputs, outputs[1:]):
+        assert not torch.equal(out == 0, other_out == 0) and not torch.equal(noise, other_noise)
+    assert 0.4 < float((outputs[-1][0] == 0).float().mean()) < 0.6          # p = 0.5
+
+
+def test_training_through_compile_backend_draws_a_new_dropout_mask_each_step_and_differentiates_it():
+    weight = nn.Parameter(torch.randn(64, device="cuda"))
+    compiled = torch.compile(lambda x: nn.functional.dropout(x, 0.5, training=True) * weight,
+                             backend=df.compile_backend(progress=False))
+    x = torch.randn(32, 64, device="cuda")
+    masks = []
+    for _ in range(3):
+        weight.grad = None
+        y = compiled(x)
+        y.sum().backward()
+        kept = (y != 0).float()
+        torch.testing.assert_close(weight.grad, (kept * x * 2).sum(0))           # the forward's own mask
+        masks.append(kept)
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
