@@ -1,5 +1,6 @@
 """Running a bound Plan: its executable (one CUDA graph, or the interpreter), built on first use and
-captured again when a resident input moved, and the `Guard` that lets later calls skip the lookup.
+captured again when a resident input moved (the one it replaced kept while residents may move back),
+and the `Guard` that lets later calls skip the lookup.
 
 A replayer runs in one of two ways. `call` serves a call that the full cache lookup matched: it runs
 the plan and then remembers a guard for calls like it. `replay` serves a call that this guard
@@ -43,6 +44,8 @@ class Replayer:
         self.memory = memory                           # shared with the plans of the other buckets, or None
         self.graph_memory_bytes = 0                    # device memory its CUDA graphs hold (CudaGraphExecutable.held_bytes)
         self.executable: CudaGraphExecutable | EagerExecutable | None = None
+        self.spare: CudaGraphExecutable | None = None      # the one it replaced, while residents may move back
+        self.keeps_spares = True                           # until residents move to neither one's addresses
         self.guard: Guard | None = None
         self.written_bytes: WrittenBytes | None = None    # of the last call checked in full (see replay)
         self.runs = 0                                  # calls completed, to tell a move per call from one now and then
@@ -143,6 +146,11 @@ class Replayer:
             if replacing is None and distributed.collective_signature(plan):
                 distributed.check_consistent(plan)
             previous = replacing if isinstance(replacing, CudaGraphExecutable) else None
+            if previous is not None and self.spare is not None:
+                if self.spare.at_captured_addresses(tensors):
+                    self.executable, self.spare = self.spare, previous
+                    return self.executable
+                self.keeps_spares = False
             if previous is not None and resident is None:
                 self._note_moved(tensors, previous)
             if self.runtime == CUDAGRAPH:
@@ -150,15 +158,28 @@ class Replayer:
                     self.executable = CudaGraphExecutable(
                         plan, plan.device, tensors, resident or self.binding.resident(tensors, self.copied_anyway),
                         self.static_outputs, self.memory, previous, self._captured_more)
-                # The replaced graphs' private pools go with them; a shared pool stays, held by the other buckets.
-                released = previous.private_bytes if previous is not None else 0
-                self._captured_more(self.executable.held_bytes - released)
+                self._captured_more(self.executable.held_bytes - self._released(previous))
             else:
                 self.executable = EagerExecutable(plan, plan.device, self.memory)
             if self.cold_start is not None:
                 self.cold_start.finish()
                 self.cold_start = None
             return self.executable
+
+    def _released(self, replaced: CudaGraphExecutable | None) -> int:
+        """Keep the executable a moved resident replaced as the spare, or let it go; the bytes of those
+        let go of. Residents that take turns between two addresses (the activations a training step's
+        forward saves for its backward, in the outputs of whichever of its two captures was free) then
+        find their capture again instead of capturing once more per call. Residents that move on for
+        good (a new KV cache per generate() call) keep no spare: the first move to neither address
+        stops keeping them. Private pools go with their graphs; a shared pool stays, held by the other
+        buckets."""
+        if replaced is None:
+            return 0
+        kept = replaced if self.keeps_spares else None
+        let_go = [executable for executable in (self.spare, replaced) if executable is not None and executable is not kept]
+        self.spare = kept
+        return sum(executable.private_bytes for executable in let_go)
 
     def _captured_more(self, nbytes: int) -> None:
         """Count a capture that holds `nbytes` more of device memory."""

@@ -25,8 +25,11 @@ class AddressBoundExecutable(EagerExecutable):
         self.resident = [i for i, is_resident in enumerate(resident) if is_resident]
         self.addresses = {i: inputs[i].data_ptr() for i in self.resident}
 
+    def at_captured_addresses(self, inputs):
+        return all(inputs[i].data_ptr() == address for i, address in self.addresses.items())
+
     def __call__(self, inputs):
-        if any(inputs[i].data_ptr() != address for i, address in self.addresses.items()):
+        if not self.at_captured_addresses(inputs):
             raise ResidentInputMoved()
         return super().__call__(inputs)
 
@@ -64,6 +67,25 @@ def test_a_resident_input_replaced_now_and_then_stays_resident(address_bound_run
     assert fast.cache_info().captures == 3
 
 
+def test_a_resident_input_taking_turns_between_two_tensors_finds_its_capture_again(address_bound_runtime):
+    """The activations a training step's forward saves for its backward live in the outputs of whichever
+    of the forward's two captures was free: they take turns between two addresses."""
+    fast = df.jit(scaled, persistent_argnums=(0,), progress=False)
+    x = torch.randn(4, 8)
+    caches = [torch.randn(4, 8) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                        # no demotion warning
+        for step in range(6):
+            cache = caches[step % 2]
+            cache.add_(1)
+            torch.testing.assert_close(fast(cache, x), scaled(cache, x))
+    assert fast.cache_info().captures == 2
+    third = torch.randn(4, 8)                                 # neither address: no spare kept from now on
+    torch.testing.assert_close(fast(third, x), scaled(third, x))
+    torch.testing.assert_close(fast(caches[0], x), scaled(caches[0], x))
+    assert fast.cache_info().captures == 4
+
+
 def test_a_call_whose_resident_input_moved_keeps_its_guard_and_measures_the_new_bytes(address_bound_runtime):
     """The first decoding step on a new KV cache: captured again, with the guard it had (the layouts are
     the same), and an input that overlaps the new cache is still refused."""
@@ -99,8 +121,11 @@ def test_graph_memory_counts_a_replaced_capture_once(address_bound_runtime, monk
     monkeypatch.setattr(replayer, "CudaGraphExecutable", HoldingExecutable)
     fast = df.jit(scaled, persistent_argnums=(0,), progress=False)
     x = torch.randn(4, 8)
-    caches = [torch.randn(4, 8) for _ in range(2)]
-    for cache in caches:
+    caches = [torch.randn(4, 8) for _ in range(3)]
+    for cache in caches[:2]:
         fast(cache, x)
     assert fast.cache_info().captures == 2
-    assert fast.cache_info().graph_memory_bytes == 3 << 20
+    assert fast.cache_info().graph_memory_bytes == 5 << 20     # the replaced capture, kept in case it comes back
+    fast(caches[2], x)
+    assert fast.cache_info().captures == 3
+    assert fast.cache_info().graph_memory_bytes == 3 << 20     # moved on: neither earlier capture is kept

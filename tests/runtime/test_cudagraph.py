@@ -276,9 +276,9 @@ def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move()
 
     fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
     x = torch.randn(4, 8, device="cuda")
+    caches = [torch.randn(4, 8, device="cuda") for _ in range(5)]   # all alive: each at an address of its own
     with pytest.warns(UserWarning, match=r"cache is resident .* copied in on every call from now on") as caught:
-        for _ in range(5):
-            cache = torch.randn(4, 8, device="cuda")          # a new tensor where a persistent one was declared
+        for cache in caches:                                  # a new tensor where a persistent one was declared
             torch.testing.assert_close(fast(cache, x), scaled(cache, x))
     assert fast.cache_info().captures == 3                    # first call, first move, second move; then copied
     assert len([w for w in caught if "is resident" in str(w.message)]) == 1
@@ -292,13 +292,29 @@ def test_a_resident_input_replaced_now_and_then_stays_resident():
 
     fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
     x = torch.randn(4, 8, device="cuda")
+    caches = [torch.randn(4, 8, device="cuda") for _ in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")                       # no demotion warning
-        for _ in range(3):
-            cache = torch.randn(4, 8, device="cuda")
+        for cache in caches:
             for _ in range(3):
                 torch.testing.assert_close(fast(cache, x), scaled(cache, x))
     assert fast.cache_info().captures == 3
+
+
+def test_a_resident_input_taking_turns_between_two_tensors_is_captured_twice():
+    def scaled(cache, x):
+        return cache * 2 + x
+
+    fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
+    x = torch.randn(4, 8, device="cuda")
+    caches = [torch.randn(4, 8, device="cuda") for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(6):
+            cache = caches[step % 2]
+            cache.add_(1)
+            torch.testing.assert_close(fast(cache, x), scaled(cache, x))
+    assert fast.cache_info().captures == 2
 
 
 def _counting_runs(monkeypatch):
