@@ -98,8 +98,8 @@ class CompileBackend:
         # (they are the tensors of the call Dynamo compiled for, a KV cache perhaps).
         passed, states = [passed[i] for i in tensors], [is_state(example_inputs[i]) for i in tensors]
         return Specialized(graph_module.forward, [node.name for node in placeholders], example_inputs, "forward",
-                           lambda fn: self._jit(fn, passed, states, padding), reads, batch,
-                           lambda fn: self._jit(fn, passed, states))
+                           lambda fn, _: self._jit(fn, passed, states, padding), reads, batch,
+                           lambda fn, _: self._jit(fn, passed, states))
 
     def _batch(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any],
                passed: Sequence[bool | None]) -> Batch | None:
@@ -151,8 +151,8 @@ class CompileBackend:
         options = {k: v for k, v in self.jit_options.items() if k not in _INFERENCE_ONLY_OPTIONS}
 
         def compile_graph(graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list], Any]:
-            return compat.boxed(TrainingGraph(graph_module, example_inputs, name,
-                                              lambda fn: self._jitted(fn, dict(options))))
+            return compat.boxed(TrainingGraph(graph_module, example_inputs, name, lambda fn, persistent: self._jitted(
+                fn, {**options, "persistent_argnums": persistent})))
         return compile_graph
 
 

@@ -97,15 +97,17 @@ class Specialized:
     `fn` takes the graph's inputs in order, named `names`; `example_inputs` are Dynamo's or
     AOTAutograd's (SymInts where sizes are inputs). Its non-tensor inputs are bound into each
     specialization, so the jitted function takes only the tensors (`tensors_of`). `plan` makes the
-    df.jit of one specialization (the caller's options), given the function to jit. `reads` are the
+    df.jit of one specialization (the caller's options), given the function to jit and the tensors
+    of the call it is made for. `reads` are the
     positions whose values `fn`'s last inputs take (see `lift_item_reads`); a call passes the others.
     With a `batch`, `plan` pads it to buckets, and `unpadded` plans a call whose padded tensors
     disagree on their rows (`Batch.agreeing`) for its exact sizes.
     """
 
     def __init__(self, fn: Callable[..., Any], names: Sequence[str], example_inputs: Sequence[Any], name: str,
-                 plan: Callable[[Callable[..., Any]], Jitted], reads: Sequence[int] = (), batch: Batch | None = None,
-                 unpadded: Callable[[Callable[..., Any]], Jitted] | None = None):
+                 plan: Callable[[Callable[..., Any], Sequence[torch.Tensor]], Jitted], reads: Sequence[int] = (),
+                 batch: Batch | None = None,
+                 unpadded: Callable[[Callable[..., Any], Sequence[torch.Tensor]], Jitted] | None = None):
         self.fn, self.names, self.name, self.plan, self.reads = fn, list(names), name, plan, list(reads)
         self.unpadded = unpadded
         self.bound = [i for i, value in enumerate(example_inputs) if not isinstance(value, torch.Tensor)]
@@ -186,7 +188,7 @@ class Specialized:
         for position in positions:                   # keep no tensor of this call alive
             template[position] = None
         plan = self.unpadded if _EXACT in key else self.plan
-        jitted = plan(named(specialized, self.name, [self.names[i] for i in positions]))
+        jitted = plan(named(specialized, self.name, [self.names[i] for i in positions]), self.tensors_of(args))
         self._warn_if_many(args)
         return self.by_signature.setdefault(key, jitted)
 

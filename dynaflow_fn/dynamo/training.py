@@ -14,6 +14,15 @@ step outside work as in eager PyTorch. Its contracts, and how each is kept:
 * the graphs take one list of arguments (`compat.boxed`) and may take sizes (`Specialized`);
 * gradients may arrive with any strides: df.jit plans per layout, as for any input.
 
+On CUDA, the tensors the forward saves for the backward are the forward plan's own output buffers,
+handed out (`runtime.handouts`): at the same addresses on every step, those of whichever of its
+captures was free (two take turns where the caller holds the loss over the next step). The backward
+reads them in place, as persistent inputs, and keeps a capture for each of the two address sets
+(`Replayer.spare`). Copying them into static buffers of the backward's own would hold every
+activation twice (12 GB more at the peak of a transformers Llama step of 8 x 2048 tokens) and copy
+them all on every step. What is not handed out (the outputs' gradients, the step's batch, a view of
+it, an output copied out) is copied in.
+
 A graph df cannot plan (an op it refuses) runs with aten kernels, op by op, after a warning, and
 its gradient is AOTAutograd's own. The graphs are functional (AOTAutograd writes the buffer updates
 back itself), so a call that failed before being served can run again from the same inputs.
@@ -27,6 +36,7 @@ from torch import fx
 
 from ..errors import warn
 from ..jitting.jitted import Jitted
+from ..runtime.handouts import is_handout
 from .specializing import Specialized
 from .views import split_views
 
@@ -36,12 +46,16 @@ class TrainingGraph:
     with `plan`, or run by aten kernels once df could not plan it."""
 
     def __init__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any], name: str,
-                 plan: Callable[[Callable[..., Any]], Jitted]):
+                 plan: Callable[[Callable[..., Any], tuple[int, ...]], Jitted]):
         self.graph_module, self.name = graph_module, name
         split = split_views(graph_module)
         self.assemble = split.assemble
         names = [node.name for node in graph_module.graph.nodes if node.op == "placeholder"]
-        self.specialized = Specialized(split.computed, names, example_inputs, name, plan)
+
+        def planned(fn: Callable[..., Any], tensors: Sequence[Any]) -> Jitted:
+            handed_out = (i for i, tensor in enumerate(tensors) if name == "backward" and is_handout(tensor))
+            return plan(fn, tuple(handed_out))
+        self.specialized = Specialized(split.computed, names, example_inputs, name, planned)
         self.planned = split.computes_anything
         self.by_aten = False
 

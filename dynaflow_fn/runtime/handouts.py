@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -65,6 +66,17 @@ class Handouts:
         return False
 
 
+def is_handout(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is an output a CUDA graph handed out, or a view of one: memory at an address
+    that graph writes on every replay of its capture, for as long as the graph lives. A training
+    step's backward reads such tensors (the activations its forward saved) in place."""
+    return compat.StorageWeakRef(tensor.untyped_storage()) in _HANDED_OUT
+
+
+_HANDED_OUT: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Every alias handed out from (its storage -> its `_Counted`), while the alias lives."""
+
+
 class _Counted:
     """An alias, the templates handouts are made from (one per output layout: `detach()` of a template
     is a fresh tensor with its layout, at a third of the host time of `as_strided`), and what holds the
@@ -86,6 +98,7 @@ class _Counted:
             return None
         counted = cls(alias.tensors_holding, alias.storage, alias.tensor)
         del alias
+        _HANDED_OUT[compat.StorageWeakRef(counted.storage)] = counted
         counted.tensors, counted.objects = counted.tensors_holding(), sys.getrefcount(counted.storage)
         return counted
 

@@ -14,7 +14,7 @@ import torch
 
 import dynaflow_fn as df
 from dynaflow_fn.runtime.cudagraph import HANDED_OUT_CAPTURES, Capture
-from dynaflow_fn.runtime.handouts import Handouts
+from dynaflow_fn.runtime.handouts import Handouts, is_handout
 
 
 # --- counting holders, on the CPU -------------------------------------------------------------------
@@ -35,6 +35,18 @@ def test_a_handout_and_every_view_of_it_count_as_held_until_the_last_is_gone():
     assert handouts.held()                       # a storage object taken from a handout holds it too
     del storage
     assert not handouts.held()
+
+
+def test_a_handout_and_its_views_are_known_as_handouts_while_the_memory_is_written_by_a_graph():
+    written = torch.randn(6, 4)
+    handouts = Handouts()
+    make = handouts.makers([written])[0]
+    out = make()
+    assert is_handout(out) and is_handout(out[1:].t()) and is_handout(make())
+    assert not is_handout(written) and not is_handout(out.clone()) and not is_handout(torch.randn(6, 4))
+    del handouts, make                           # no graph writes it any more: an ordinary tensor
+    gc.collect()
+    assert not is_handout(out)
 
 
 def test_handouts_are_fresh_views_so_changing_one_leaves_the_next_intact():
