@@ -24,11 +24,10 @@ result is rows the padding check follows: whatever mixes them from there, it see
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import fx
 
+from ..ir.tree import tensors_in
 from .node_text import op_text, where
 from .symbols import mentions
 
@@ -54,14 +53,14 @@ def rows_padding_would_change(graph_module: fx.GraphModule, symbols: set[str]) -
     for node in graph_module.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        results = _tensors(node.meta.get("example_value"))
+        results = tensors_in(node.meta.get("example_value"))
         for result in results:
             if sum(mentions(size, symbols) for size in result.shape) > 1:
                 return (f"{op_text(node)}{where(node)} makes a tensor with the batch size in two dimensions "
                         f"({list(result.shape)}), and padded, the bucket's rows would enter the real rows' results")
         batched_results = [result for result in results if _batch_axes(result, symbols)]
         arguments = [argument for argument in node.all_input_nodes
-                     if any(_batch_axes(value, symbols) for value in _tensors(argument.meta.get("example_value")))]
+                     if any(_batch_axes(value, symbols) for value in tensors_in(argument.meta.get("example_value")))]
         if batched_results and (_name(node) in _MAKES_ITS_VALUES or not arguments):
             made.add(node)
         elif arguments and all(argument in made for argument in arguments) and results:
@@ -104,14 +103,6 @@ def _along_the_rows(node: fx.Node, argument: fx.Node, symbols: set[str]) -> bool
 def _name(node: fx.Node) -> str:
     target = node.target
     return target if isinstance(target, str) else getattr(target, "__name__", "")
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    return []
 
 
 def _batch_axes(value: torch.Tensor, symbols: set[str]) -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import fx
@@ -19,6 +18,7 @@ from torch import fx
 from ..compat import StorageWeakRef
 from . import ops
 from .kinds import StrKind
+from .tree import tensors_in
 
 
 class CostKind(StrKind):
@@ -73,14 +73,6 @@ _ATTENTION_PREFIX = "aten._scaled_dot_product"
 _CONVOLUTION = "aten.convolution"
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -108,8 +100,8 @@ def node_cost(node: fx.Node, roofline: Roofline = H200) -> Cost:
     """FLOPs, bytes, estimated seconds and kind of one call_function node."""
     if node.op != "call_function" or node.target is operator.getitem or ops.is_view(node.target):
         return ZERO
-    outputs = _tensors(node.meta.get("val"))
-    inputs = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]
+    outputs = tensors_in(node.meta.get("val"))
+    inputs = [t for a in node.all_input_nodes for t in tensors_in(a.meta.get("val"))]
     input_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
     if outputs and all(StorageWeakRef(t.untyped_storage()) in input_storages for t in outputs):
         return ZERO

@@ -256,3 +256,13 @@ def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Se
             raise InputError(f"argument {where} is a {kind}, which is neither a tensor nor a hashable static "
                              f"value. {hint}")
     return LeafKinds(tuple(tensors), tuple(statics))
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a graph node's value, which is a tensor or nested tuples and lists of them (a
+    `torch.sort`'s values and indices), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in tensors_in(item)]
+    return []
