@@ -270,10 +270,11 @@ def test_compile_backend_with_inductor_on_cuda_equals_eager():
     assert sum(jitted.cache_info().captures for jitted in compile_backend.graphs) >= 1
 
 
-def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move():
-    def scaled(cache, x):
-        return cache * 2 + x
+def scaled(cache, x):
+    return cache * 2 + x
 
+
+def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move():
     fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
     x = torch.randn(4, 8, device="cuda")
     caches = [torch.randn(4, 8, device="cuda") for _ in range(5)]   # all alive: each at an address of its own
@@ -287,9 +288,6 @@ def test_a_resident_input_that_keeps_moving_is_copied_in_after_its_second_move()
 def test_a_resident_input_replaced_now_and_then_stays_resident():
     """A KV cache made anew for each generate() call and then read by many steps: each replacement
     captures once, and the input is never demoted to a copy per call."""
-    def scaled(cache, x):
-        return cache * 2 + x
-
     fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
     x = torch.randn(4, 8, device="cuda")
     caches = [torch.randn(4, 8, device="cuda") for _ in range(3)]
@@ -302,9 +300,6 @@ def test_a_resident_input_replaced_now_and_then_stays_resident():
 
 
 def test_a_resident_input_taking_turns_between_two_tensors_is_captured_twice():
-    def scaled(cache, x):
-        return cache * 2 + x
-
     fast = df.jit(scaled, backend="cudagraph", persistent_argnums=(0,))
     x = torch.randn(4, 8, device="cuda")
     caches = [torch.randn(4, 8, device="cuda") for _ in range(2)]
