@@ -13,8 +13,10 @@ copies the input onto itself, is left out (emit steps).
 An op `b = f(a, ...)` runs as `f_(a, ...)` when `f_` exists, `b` has `a`'s shape, strides and dtype,
 (for ops that mutate several arguments, such as `_fused_adamw_`, this holds for each of them)
 and the old value of `a` is dead: nothing reads `a` or a view of it later in the issue order (the
-write-back's `copy_` into `a` writes it, reading nothing of it), it is not returned, it is no program
-constant, and if it is a program input its value is replaced anyway: it is donated, or `f` is one of
+write-back's `copy_` into `a` writes it, reading nothing of it), it is not returned, it is neither a
+program constant nor computed from constants alone (setup work, computed once when the plan is bound
+and read by every call: `torch.zeros(2, d).index_add(0, index, x)` written into it would add each
+call's rows onto the last call's), and if it is a program input its value is replaced anyway: it is donated, or `f` is one of
 the updates the input's write-back copies back (`analyses.written_back_updates`). A `cat` counts as an
 alias of its parts, since lowering may place each part in the `cat`'s output. Only ops that would
 otherwise allocate their result, or whose first argument is a replaced input, are rewritten; `out=`
@@ -32,7 +34,7 @@ from torch import fx
 
 from ..compat import has_internal_overlap
 from ..ir import ops
-from ..ir.analyses import fake_storage, is_write_back, written_back_updates
+from ..ir.analyses import fake_storage, is_write_back, setup_nodes, written_back_updates
 from ..ir.tree import TensorSpec
 from ..plan.plan import Layout
 from .draft import PlanDraft
@@ -73,14 +75,16 @@ def reinplace(draft: PlanDraft) -> bool:
     placeholders = program.placeholders()
     donated = {placeholders[i] for i in draft.donate.values()}
     draft.inplace = plan_inplace(draft.issue_order, list(program.output_node().args[0]), donated, allocates,
-                                 written_back_updates(program))
+                                 written_back_updates(program), setup_nodes(program))
     return bool(draft.inplace)
 
 
 def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: set[fx.Node],
-                 allocates: Callable[[fx.Node], bool], updates: dict[fx.Node, fx.Node]) -> set[fx.Node]:
-    """The nodes to run inplace, given the issue order, the returned nodes, the donated inputs and the
-    updates of mutated inputs (each mapped to the input its write-back replaces)."""
+                 allocates: Callable[[fx.Node], bool], updates: dict[fx.Node, fx.Node],
+                 constants: set[fx.Node]) -> set[fx.Node]:
+    """The nodes to run inplace, given the issue order, the returned nodes, the donated inputs, the
+    updates of mutated inputs (each mapped to the input its write-back replaces) and the nodes whose
+    values every call reads as they were computed once (`setup_nodes`)."""
     aliases = _Aliases()
     for node in order:
         if node.target is torch.ops.aten.cat.default:
@@ -117,7 +121,7 @@ def plan_inplace(order: Sequence[fx.Node], outputs: Sequence[fx.Node], donated: 
             continue
         others = {aliases.root(a) for a in node.all_input_nodes if a not in selves}
         if len(set(selves)) == len(selves) and _disjoint(selves, roots) and all(
-                _dead_after(node, s, r, v, position, last_read, returned, replaced, others)
+                _dead_after(node, s, r, v, position, last_read, returned, replaced, others, constants)
                 for s, r, v in zip(selves, roots, values)):
             chosen.add(node)
             _merge_results(node, roots, aliases, last_read, returned)
@@ -140,7 +144,7 @@ def _disjoint(selves: list[fx.Node], roots: list[fx.Node]) -> bool:
 
 
 def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object, position: dict,
-                last_read: dict, returned: set, replaced: set, others: set) -> bool:
+                last_read: dict, returned: set, replaced: set, others: set, constants: set) -> bool:
     """Whether `self_node`'s memory may take `node`'s result: its old value is never needed again, and
     if it is an input's, that input's value is `replaced` anyway."""
     old = self_node.meta.get("val")
@@ -150,7 +154,7 @@ def _dead_after(node: fx.Node, self_node: fx.Node, root: fx.Node, result: object
         return False
     if has_internal_overlap(old):
         return False
-    if root.op == "get_attr" or (root.op == "placeholder" and root not in replaced):
+    if root in constants or (root.op == "placeholder" and root not in replaced):
         return False
     return root not in returned and root not in others and last_read.get(root, -1) <= position[node]
 

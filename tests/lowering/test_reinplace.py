@@ -166,6 +166,22 @@ def test_dead_intermediates_are_reinplaced_and_inputs_not_donated_never_overwrit
     assert torch.equal(p, before[0]) and torch.equal(g, before[1])
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("accumulate", [
+    lambda x, index: torch.zeros(3, 4).index_add(0, index, x),
+    lambda x, index: torch.zeros(3, 4).scatter_add(0, index[:, None].expand(-1, 4), x),
+    lambda x, index: torch.zeros(3, 4).index_put((index,), x, accumulate=True),
+    lambda x, index: torch.arange(12.0).view(3, 4).index_copy(0, index[:3], x[:3]),
+], ids=["index_add", "scatter_add", "index_put-accumulate", "index_copy"])
+def test_a_tensor_made_from_constants_is_set_up_once_and_never_written_by_a_call(accumulate, backend):
+    """Work that reads no input is computed once, when the plan is bound, and read by every call: an
+    update of it run in place would start each call from the last call's result."""
+    fast = df.jit(accumulate, backend=backend, progress=False)
+    for _ in range(3):
+        x, index = torch.randn(6, 4), torch.randperm(6) % 3
+        torch.testing.assert_close(fast(x, index), accumulate(x, index))
+
+
 def _cache_step(cache, slots, new, w):
     """A decode step's KV-cache use: this step's rows written first, then the cache read."""
     cache[slots] = torch.tanh(new @ w)
