@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import traceback
 import weakref
@@ -336,6 +337,10 @@ def _first_lines(error: BaseException, count: int = 3) -> str:
     return " ".join(lines[:count]) + (" ..." if len(lines) > count else "")
 
 
+_HIGHER_ORDER_WITHOUT_RULE = re.compile(r"no rule registered for HigherOrderOperator (\w+)")
+"""torch's error for a higher-order operator that a dispatch mode in effect has no rule for."""
+
+
 def _hint(error: BaseException) -> str:
     text = str(error)
     if "numpy" in text or "data pointer" in text or "data_ptr" in text:
@@ -381,6 +386,15 @@ def _translate_errors(fn_name: str) -> Iterator[None]:
                    "on a real device instead of meta)")
         raise _traced_error(f"{fn_name} calls {op_name(error.op)} {_where(error)} on inputs it cannot take: "
                             f"{_first_lines(error)} ({verdict}).", error) from None
+    except NotImplementedError as error:
+        operator = _HIGHER_ORDER_WITHOUT_RULE.search(str(error))
+        if operator is None or not _raised_inside_torch(error):
+            raise
+        raise _traced_error(
+            f"{fn_name} calls {operator[1]} {_where(error)}, a higher-order operator that fake tensors cannot run "
+            f"under dynaflow_fn's tracer (activation checkpointing replays random numbers through "
+            f"run_and_save_rng_state and run_with_rng_state). Leave random ops out of checkpointed regions, or keep "
+            f"the region outside the jitted function.", error) from None
     except Exception as error:
         if not _raised_inside_torch(error):
             raise

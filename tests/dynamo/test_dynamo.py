@@ -424,6 +424,24 @@ def test_a_training_graph_df_cannot_plan_runs_with_aten_kernels_after_a_warning(
     assert [jitted.cache_info().entries for jitted in backend.graphs] == [0, 0]
 
 
+def test_checkpointed_dropout_plans_the_forward_and_names_the_operator_the_backward_cannot_trace():
+    """Activation checkpointing replays a region's random numbers through higher-order operators: the
+    forward's passes through df's tracer; the backward's, which fake tensors cannot run, falls back to
+    aten kernels with a warning naming it, and its gradient is the step's own mask's."""
+    weight = torch.nn.Parameter(torch.randn(8))
+    region = lambda x: torch.nn.functional.dropout(x * weight, 0.5, training=True)           # noqa: E731
+    backend = df.compile_backend(progress=False)
+    compiled = torch.compile(lambda x: torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False),
+                             backend=backend)
+    x = torch.randn(16, 8)
+    with pytest.warns(UserWarning, match="cannot plan this backward graph .* calls run_with_rng_state .*, a "
+                                         "higher-order operator") as caught:
+        y = compiled(x)
+        y.sum().backward()
+    assert len([w for w in caught if "cannot plan" in str(w.message)]) == 1         # the forward is planned
+    torch.testing.assert_close(weight.grad, (x * (y != 0) * 2).sum(0))
+
+
 def test_under_no_grad_the_captured_graph_is_planned_as_it_is():
     model = MLP()
     backend = df.compile_backend(progress=False)
