@@ -337,8 +337,7 @@ def _first_lines(error: BaseException, count: int = 3) -> str:
     return " ".join(lines[:count]) + (" ..." if len(lines) > count else "")
 
 
-_HIGHER_ORDER_WITHOUT_RULE = re.compile(r"no rule registered for HigherOrderOperator (\w+)")
-"""torch's error for a higher-order operator that a dispatch mode in effect has no rule for."""
+_HIGHER_ORDER_WITHOUT_RULE = re.compile(r"no rule registered for HigherOrderOperator (\w+)")   # torch's words
 
 
 def _hint(error: BaseException) -> str:
@@ -387,14 +386,12 @@ def _translate_errors(fn_name: str) -> Iterator[None]:
         raise _traced_error(f"{fn_name} calls {op_name(error.op)} {_where(error)} on inputs it cannot take: "
                             f"{_first_lines(error)} ({verdict}).", error) from None
     except NotImplementedError as error:
-        operator = _HIGHER_ORDER_WITHOUT_RULE.search(str(error))
-        if operator is None or not _raised_inside_torch(error):
+        if not (operator := _HIGHER_ORDER_WITHOUT_RULE.search(str(error))) or not _raised_inside_torch(error):
             raise
-        raise _traced_error(
-            f"{fn_name} calls {operator[1]} {_where(error)}, a higher-order operator that fake tensors cannot run "
-            f"under dynaflow_fn's tracer (activation checkpointing replays random numbers through "
-            f"run_and_save_rng_state and run_with_rng_state). Leave random ops out of checkpointed regions, or keep "
-            f"the region outside the jitted function.", error) from None
+        raise _traced_error(f"{fn_name} calls {operator[1]} {_where(error)}, a higher-order operator that fake "
+                            f"tensors cannot run under dynaflow_fn's tracer (activation checkpointing's replay of "
+                            f"random numbers: run_and_save_rng_state, run_with_rng_state). Keep random ops out of "
+                            f"checkpointed regions, or the region outside the jitted function.", error) from None
     except Exception as error:
         if not _raised_inside_torch(error):
             raise
