@@ -177,7 +177,8 @@ class Replayer:
         if replaced is None:
             return 0
         kept = replaced if self.keeps_spares else None
-        let_go = [executable for executable in (self.spare, replaced) if executable is not None and executable is not kept]
+        let_go = [executable for executable in (self.spare, replaced)
+                  if executable is not None and executable is not kept]
         self.spare = kept
         return sum(executable.private_bytes for executable in let_go)
 

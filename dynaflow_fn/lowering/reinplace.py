@@ -16,11 +16,11 @@ and the old value of `a` is dead: nothing reads `a` or a view of it later in the
 write-back's `copy_` into `a` writes it, reading nothing of it), it is not returned, it is neither a
 program constant nor computed from constants alone (setup work, computed once when the plan is bound
 and read by every call: `torch.zeros(2, d).index_add(0, index, x)` written into it would add each
-call's rows onto the last call's), and if it is a program input its value is replaced anyway: it is donated, or `f` is one of
-the updates the input's write-back copies back (`analyses.written_back_updates`). A `cat` counts as an
-alias of its parts, since lowering may place each part in the `cat`'s output. Only ops that would
-otherwise allocate their result, or whose first argument is a replaced input, are rewritten; `out=`
-kernels already write into planned memory.
+call's rows onto the last call's), and if it is a program input its value is replaced anyway: it is
+donated, or `f` is one of the updates the input's write-back copies back
+(`analyses.written_back_updates`). A `cat` counts as an alias of its parts, since lowering may place
+each part in the `cat`'s output. Only ops that would otherwise allocate their result, or whose first
+argument is a replaced input, are rewritten; `out=` kernels already write into planned memory.
 """
 
 from __future__ import annotations

@@ -101,17 +101,23 @@ def _along_dim(call: RuleCall) -> State:
 
 
 def _view(call: RuleCall) -> State:
-    """A view or reshape keeps the element order; find the output axis the batch rows land on."""
+    """A view or reshape keeps the element order; find the output axis the batch rows land on. Where
+    no axis holds them (`x.T.reshape(batch, -1)`: each row of the result takes parts of several rows),
+    the rows are mixed."""
     state = call.state("self")
-    mapped = _view_axis(call.shape(call.bound["self"]), call.shape(), state, call.rows)
-    return call.result(UNKNOWN if mapped is None else mapped)
+    in_shape, out_shape = call.shape(call.bound["self"]), call.shape()
+    if 0 in in_shape or 0 in out_shape:
+        return call.result(UNKNOWN)
+    mapped = _view_axis(in_shape, out_shape, state, call.rows)
+    if mapped is None:
+        return call.report("reshapes the batch rows across other axes, so a row of the result holds parts of "
+                           "several rows of the batch")
+    return call.result(mapped)
 
 
 def _view_axis(in_shape: Sequence[int], out_shape: Sequence[int], state: Rows, rows: int) -> Rows | None:
     """In row-major order, row `b` starts `step` elements after row `b - 1` and the rows span
     `rows * step` elements; the output axis whose elements cover that span holds them."""
-    if 0 in in_shape or 0 in out_shape:
-        return None
     step = state.inner * math.prod(in_shape[state.axis + 1:])
     span = step * rows
     stride = 1
@@ -268,8 +274,20 @@ def _embedding_backward(call: RuleCall) -> State:
 
 
 def _convolution(call: RuleCall) -> State:
-    state = _only_input_at(call, "input", (0,))
-    return call.result(UNKNOWN if state is None or state != Rows(0) else state)
+    """Convolves each sample (dimension 0) over its channels and positions: batch rows on any other
+    axis are mixed by the kernel or its window."""
+    return _per_sample(call, "convolves")
+
+
+def _per_sample(call: RuleCall, verb: str) -> State:
+    """An op that computes each sample (dimension 0 of `input`) from all of that sample's other axes."""
+    state = _only_input_at(call, "input", range(call.rank(call.bound["input"])))
+    if state is None:
+        return call.result(UNKNOWN)
+    if state.axis != 0:
+        return call.report(f"{verb} across the batch axis (axis {state.axis} of its input), so every row reads "
+                           f"other rows")
+    return call.result(state if state == Rows(0) else UNKNOWN)
 
 
 def _layer_norm(call: RuleCall) -> State:
@@ -283,11 +301,8 @@ def _layer_norm(call: RuleCall) -> State:
 
 
 def _group_norm(call: RuleCall) -> State:
-    """Normalizes each sample (dimension 0) over its channel groups."""
-    state = _only_input_at(call, "input", (0,))
-    if state is None or state != Rows(0):
-        return call.result(UNKNOWN)
-    return call.result(state)
+    """Normalizes each sample (dimension 0) over its channel groups and positions."""
+    return _per_sample(call, "normalizes")
 
 
 def _batch_norm(call: RuleCall) -> State:

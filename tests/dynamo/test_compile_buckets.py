@@ -88,9 +88,11 @@ class MaskedByIndex(nn.Module):
     lambda x: x + torch.ones(x.shape[0]).sum(),
     lambda x: x + torch.arange(x.shape[0])[-1],
     lambda x: x * (torch.ones(1, x.shape[0]) @ torch.ones(x.shape[0], 1)),
+    lambda x: x.T.reshape(x.shape[0], -1),                              # each row takes parts of several rows
+    lambda x: torch.nn.functional.group_norm(x.T[None], 1)[0].T,
 ], ids=["factor", "fill", "last-row", "arange-start", "softmax-over-rows", "minus-batch-mean", "flip",
         "repeat-then-sum", "expand-then-sum", "ones-square-summed", "made-rows-flipped", "made-rows-summed",
-        "made-rows-last", "made-rows-contracted"])
+        "made-rows-last", "made-rows-contracted", "transposed-reshape", "group-norm-over-the-batch"])
 def test_a_graph_padding_would_change_is_planned_per_size_after_a_warning(fn):
     backend = df.compile_backend(buckets=(2, 4, 8), progress=False)
     compiled = torch.compile(fn, backend=backend)

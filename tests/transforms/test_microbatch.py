@@ -221,8 +221,17 @@ class _Center(nn.Module):
     (lambda x: x.repeat(2, 1), r"aten\.repeat works along the batch axis"),
     (lambda x: x.sort(0).values, r"aten\.sort works along the batch axis"),
     (lambda x: x.topk(2, 0).values, r"aten\.topk works along the batch axis"),
+    (lambda x: torch.cat([x, x[:, :1]], 1).T.reshape(x.shape[0], -1) * 2,
+     r"reshapes the batch rows across other axes"),
+    (lambda x: torch.cat([x, x[:, :1]], 1).view(-1, 2, 2).permute(1, 0, 2).reshape(-1, 4) * 2,
+     r"reshapes the batch rows across other axes"),
+    (lambda x: nn.functional.group_norm(x.T[None], 1)[0].T,
+     r"aten\.native_group_norm normalizes across the batch axis \(axis 2 of its input\)"),
+    (lambda x: nn.functional.conv1d(x.T[None], torch.ones(1, 3, 2))[0],
+     r"aten\.convolution convolves across the batch axis \(axis 2 of its input\)"),
 ], ids=["centering-module", "softmax-over-batch", "rows-times-rows", "global-norm", "flip", "roll", "gather",
-        "index", "repeat", "sort-several-results", "topk"])
+        "index", "repeat", "sort-several-results", "topk", "transposed-reshape", "permuted-reshape",
+        "group-norm-over-the-batch", "convolution-over-the-batch"])
 def test_ops_that_mix_the_rows_of_the_batch_warn(fn, match):
     if isinstance(fn, nn.Module):
         fn, params = df.pure(fn)
