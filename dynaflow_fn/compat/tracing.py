@@ -140,21 +140,16 @@ def refusing_generator_arguments(refusal: Callable[[Any], Exception]) -> context
     `refusal(op)` before make_fx records it (torch 2.11's tracer cannot record a Generator and fails
     with "argument of type Generator"; later ones record it as a constant). A dispatch mode entered
     inside the trace sits above make_fx's and sees each op first. Without Python dispatch modes,
-    nothing is intercepted. Higher-order operators (activation checkpointing's random-state replay,
-    flex attention) pass through to make_fx: a mode that does not say it takes them makes each one
-    fail with "no rule registered"."""
+    nothing is intercepted."""
     try:
         from torch.utils._python_dispatch import TorchDispatchMode
     except ImportError:
         return contextlib.nullcontext()
 
     class RefusingGenerators(TorchDispatchMode):
-        supports_higher_order_operators = True
-
         def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            if isinstance(func, torch._ops.OpOverload) and any(
-                    isinstance(value, torch.Generator) for value in (*args, *kwargs.values())):
+            if any(isinstance(value, torch.Generator) for value in (*args, *kwargs.values())):
                 raise refusal(func)
             return func(*args, **kwargs)
 
