@@ -199,12 +199,16 @@ def _collect_roots(name: str, value: Any, roots: dict[int, tuple[str, torch.nn.M
 @contextlib.contextmanager
 def _redirected(modules: list[tuple[str, torch.nn.Module]], rules: Mapping[Module, Callable[..., Any]],
                 calls: dict[Module, int]) -> Iterator[None]:
-    """Give each matching module an instance `forward` that runs the rule's impl on this thread."""
-    patched = []
+    """Give each matching module an instance `forward` that runs the rule's impl on this thread. A
+    module inside one its rule already matched is left as it is: `T.Module("mlp")` substitutes each
+    `layers.N.mlp`, not also its `mlp.gate_proj` (the regex is searched in qualified names), whose
+    calls the impl makes as the original does. `modules` come parents first."""
+    patched, matched = [], {rule: [] for rule in rules}
     for name, module in modules:
         rule = next((r for r in rules if r.match(None, NodeInfo(scopes=(Scope(ScopeKind.MODULE, name, 0, type(module)),)))
-                     is not None), None)
+                     is not None and not any(_inside(name, outer) for outer in matched[r])), None)
         if rule is not None:
+            matched[rule].append(name)
             previous = module.__dict__.get("forward")
             module.forward = _lookaside(module, rule, rules[rule], previous or module.forward, calls)
             patched.append((module, previous))
@@ -216,6 +220,11 @@ def _redirected(modules: list[tuple[str, torch.nn.Module]], rules: Mapping[Modul
                 del module.forward
             else:
                 module.forward = previous
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether the module of qualified name `name` is a submodule of the one named `outer`."""
+    return not outer or name.startswith(outer + ".")
 
 
 def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], original: Callable[..., Any],

@@ -40,6 +40,32 @@ def test_a_module_rule_runs_the_implementation_for_every_matching_call():
     assert "substituted by T.Module(Linear)" in str(df.trace(substituted, params, x))
 
 
+@pytest.mark.parametrize("pattern", ["mlp", r"layers\.\d+\.mlp$"])
+def test_a_module_regex_substitutes_the_outermost_module_it_matches_not_its_submodules_too(pattern):
+    """`mlp` is also found in `layers.0.mlp.gate_proj`: the impl of the matched module calls its
+    submodules as the original does, so they are not substituted a second time inside it."""
+    model = tiny_llama()
+    logits, params = llama_logits(model)
+    calls = []
+
+    def doubled(module, x):
+        calls.append(module)
+        return type(module).forward(module, x) * 2
+
+    ids = torch.randint(0, 128, (2, 6))
+    hooks = [module.register_forward_hook(lambda module, args, out: out * 2)
+             for name, module in model.named_modules() if name.endswith(".mlp")]
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    for hook in hooks:
+        hook.remove()
+    substituted = T.substitute(logits, {T.Module(pattern): doubled})
+    with torch.no_grad():
+        torch.testing.assert_close(substituted(params, ids), expected)
+        torch.testing.assert_close(df.jit(substituted)(params, ids), expected)
+    assert {type(module).__name__ for module in calls} == {"LlamaMLP"}
+
+
 def unfused_attention(x, norm_w, norm_b, qkv_w, qkv_b, proj_w, proj_b):
     """The Block's attention region (`x + attn(norm1(x))`) with attention spelled out as matmuls."""
     b, t, d = x.shape
