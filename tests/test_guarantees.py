@@ -415,6 +415,18 @@ def test_a_written_argument_passed_twice_is_refused():
         df.jit(_add_into)(base[:5], base[3:])                        # overlapping views
 
 
+def test_a_written_argument_whose_elements_share_memory_is_refused_as_eager_refuses_it():
+    base = torch.zeros(1, 4)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        _add_into(base.expand(3, 4), torch.randn(3, 4))                 # eager PyTorch
+    fast = df.jit(_add_into)
+    for _ in range(2):
+        with pytest.raises(df.InputError, match=r"writes a in place, but elements of a share memory .*\[0, 1\]"):
+            fast(base.expand(3, 4), torch.randn(3, 4))
+    assert torch.equal(base, torch.zeros(1, 4))
+    torch.testing.assert_close(fast(base.clone().expand(3, 4).clone(), torch.ones(3, 4)), torch.full((3, 4), 2.0))
+
+
 def test_disjoint_views_and_read_only_aliases_are_fine():
     base, expected = torch.randn(8), None
     expected_base = base.clone()

@@ -226,11 +226,19 @@ def check_no_aliasing(tensors: Sequence[torch.Tensor], written: Sequence[int], n
     donated argument) and `y` is `x`, or a view overlapping it, eager PyTorch would read the new
     values through `y` and the plan reads the old ones (or a half-written buffer): a different result.
     Read-only aliasing is harmless and allowed. Memory is compared by byte range within a storage,
-    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then."""
+    so two interleaved views (x[::2], x[1::2]) count as overlapping: pass a copy then. A written
+    tensor whose own elements share memory (an expanded view) is refused too, as eager PyTorch
+    refuses writing it."""
     by_storage = _spans_by_storage(tensors, range(len(tensors)))
     for index in written:
         if not tensors[index].numel():
             continue
+        if compat.has_internal_overlap(tensors[index]):
+            tensor = tensors[index]
+            raise InputError(f"the function writes {names[index]} in place, but elements of {names[index]} share "
+                             f"memory (shape {list(tensor.shape)}, strides {list(tensor.stride())}: an expanded "
+                             f"view), which eager PyTorch refuses to write too. Pass a tensor of its own "
+                             f"({names[index]}.clone())")
         storage, start, end = _byte_span(tensors[index])
         for other_start, other_end, other in by_storage[storage]:
             if other != index and other_start < end and start < other_end:
