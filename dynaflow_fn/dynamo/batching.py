@@ -155,7 +155,7 @@ def _read_as_a_number(graph_module: fx.GraphModule, symbols: set[str]) -> str | 
     outputs are cut back to. None if every read is such."""
     for node in graph_module.graph.nodes:
         value = node.meta.get("example_value")
-        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or not symbols & set(SYMBOL.findall(str(value))):
+        if not mentions(value, symbols):
             continue
         for user in node.users:
             if not _reads_as_a_size(user, node, str(value) in symbols):

@@ -97,9 +97,9 @@ class Specialized:
     `fn` takes the graph's inputs in order, named `names`; `example_inputs` are Dynamo's or
     AOTAutograd's (SymInts where sizes are inputs). Its non-tensor inputs are bound into each
     specialization, so the jitted function takes only the tensors (`tensors_of`). `plan` makes the
-    df.jit of one specialization (the caller's options), given the function to jit and the tensors
-    of the call it is made for. `reads` are the
-    positions whose values `fn`'s last inputs take (see `lift_item_reads`); a call passes the others.
+    df.jit of one specialization (the caller's options), given the function to jit and the tensors of
+    the call it is made for. `reads` are the positions whose values `fn`'s last inputs take (see
+    `lift_item_reads`); a call passes the others.
     With a `batch`, `plan` pads it to buckets, and `unpadded` plans a call whose padded tensors
     disagree on their rows (`Batch.agreeing`) for its exact sizes.
     """

@@ -11,6 +11,8 @@ SYMBOL = re.compile(r"[A-Za-z_]\w*")
 """A symbol's name: sizes print as expressions of them (`s0`, `2*s0 + 1`)."""
 
 
-def mentions(size: Any, symbols: set[str]) -> bool:
-    """Whether `size` is a symbolic size whose expression names one of `symbols`."""
-    return isinstance(size, torch.SymInt) and bool(symbols & set(SYMBOL.findall(str(size))))
+def mentions(value: Any, symbols: set[str]) -> bool:
+    """Whether `value` is a symbolic number (a size, or a float or bool computed from sizes) whose
+    expression names one of `symbols`."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and bool(
+        symbols & set(SYMBOL.findall(str(value))))

@@ -53,8 +53,9 @@ class TrainingGraph:
         names = [node.name for node in graph_module.graph.nodes if node.op == "placeholder"]
 
         def planned(fn: Callable[..., Any], tensors: Sequence[Any]) -> Jitted:
-            handed_out = (i for i, tensor in enumerate(tensors) if name == "backward" and is_handout(tensor))
-            return plan(fn, tuple(handed_out))
+            if name != "backward":
+                return plan(fn, ())
+            return plan(fn, tuple(i for i, tensor in enumerate(tensors) if is_handout(tensor)))
         self.specialized = Specialized(split.computed, names, example_inputs, name, planned)
         self.planned = split.computes_anything
         self.by_aten = False
