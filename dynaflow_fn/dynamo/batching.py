@@ -42,6 +42,7 @@ finds once the graph is traced; for the backend, which chose to pad, that too me
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -50,8 +51,9 @@ import torch
 from torch import fx
 
 from .. import compat
+from ..ir.tree import tensors_in
 from ..jitting.state import is_state
-from .made_rows import rows_padding_would_change
+from ..transforms.made_rows import rows_padding_would_change
 from .node_text import op_text, where
 from .symbols import SYMBOL, mentions
 
@@ -104,7 +106,8 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
         if i in tensors and _mentions(value, symbol, skip_first=True):
             return f"input {names[i]} has the batch size {symbol} in another dimension too ({shown})"
     symbols = {symbol, *(str(values[i].shape[0]) for i in agreeing)}
-    read = _read_as_a_number(graph_module, symbols) or rows_padding_would_change(graph_module, symbols)
+    read = _read_as_a_number(graph_module, symbols) or rows_padding_would_change(
+        graph_module.graph, functools.partial(_symbol_axes, symbols=symbols), lambda node: f"{op_text(node)}{where(node)}")
     if read is not None:
         return read
     out_axes = []
@@ -145,6 +148,12 @@ _SIZED_BY_FUNCTIONS = frozenset({torch.zeros, torch.ones, torch.empty, torch.ful
 to the size, from 0 by 1 (`_arange_end`)."""
 
 _FILL_POSITIONS = {"new_full": 2, torch.full: 1}
+
+
+def _symbol_axes(node: fx.Node, symbols: set[str]) -> list[list[int]]:
+    """The dimensions of each tensor `node` gives that hold one of `symbols` (`transforms.made_rows.BatchAxes`)."""
+    return [[axis for axis, size in enumerate(tensor.shape) if mentions(size, symbols)]
+            for tensor in tensors_in(node.meta.get("example_value"))]
 
 
 def _read_as_a_number(graph_module: fx.GraphModule, symbols: set[str]) -> str | None:
