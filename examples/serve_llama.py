@@ -164,8 +164,8 @@ def model_step(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor],
             prefilled = prefilled[0].transpose(0, 1).reshape(-1, heads * dim)
         x = x + attention.o_proj(torch.cat([decoded, prefilled]))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    last = torch.cat([torch.arange(rows, device=x.device), rows + chunk["last"]])
-    logits = model.lm_head(llama.norm(x[last]))
+    picked = torch.cat([x[:rows], x[rows:][chunk["last"]]])          # the chunk's rows follow the decode rows
+    logits = model.lm_head(llama.norm(picked))
     next_tokens = logits.argmax(-1)
     return next_tokens[:rows], next_tokens[rows:]
 

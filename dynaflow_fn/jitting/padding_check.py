@@ -15,6 +15,9 @@ rows). What padding adds, read off the same analysis:
 * a number the function returns (not a tensor: `x.shape[0]`, `x.shape`) is baked into the trace of the padded
   batch, so a value computed from the batch size would be the bucket's; such a function is refused
   (`refuse_unpaddable_outputs`), since the outputs cannot be cut back to the real one;
+* the batch size read as a number (`x * x.shape[0]`), a path taken by it, or rows the function makes
+  from it and mixes (`torch.ones(b).sum()`) are the bucket's once padded: `batch_size_reads` compares
+  the trace with a second one at another batch size;
 * an input the function updates in place from the rows (a KV cache written at the rows' slots) is
   written by the padded rows too, at the place their pad values name: zeros unless `pad_value` says
   otherwise, so by default they write slot 0.
@@ -35,6 +38,7 @@ from ..errors import InputError, PaddedUpdateError, TraceError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
 from ..transforms.row_states import Reduced, Rows
+from .batch_size_reads import batch_size_findings
 from .buckets import BatchLayout, OutputAxes
 
 _COPY_ = torch.ops.aten.copy_.default
@@ -44,8 +48,8 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
                      pad_value_given: bool, traced_at: Callable[[int], Program]) -> list[str]:
     """Why padding `program` (traced on `leaves`, a call padded to a bucket) may change its real rows'
     results, as warning texts; raises InputError for a batched input it updates in place and for
-    outputs padding would return wrong (`refuse_unpaddable_outputs`, given `traced_at(rows)`, the
-    function traced at another batch size)."""
+    outputs padding would return wrong (`refuse_unpaddable_outputs`). `traced_at(rows)` traces the
+    function at another batch size, for what two traces show (`batch_size_reads`)."""
     rows = layout.rows(leaves)
     batch_axes = {program.inputs[b.position].node_name: b.axis % leaves[b.position].dim() for b in layout.batched}
     updates = {node.args[0].name: node.args[1] for node in program.ops()
@@ -66,17 +70,21 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     returned = program.output_node().args[0]
     specs = list(program.outputs)
     axes = out_axes.axes(program.out_tree, optree.tree_unflatten(program.out_tree, specs))
-    for spec, axis in zip(specs, axes):
-        state = flow.states.get(returned[spec.tensor_index]) if spec.tensor_index is not None else None
+    states = [flow.states.get(returned[spec.tensor_index]) if spec.tensor_index is not None else None for spec in specs]
+    for spec, axis, state in zip(specs, axes, states):
         if isinstance(state, Reduced):
             texts.append(f"{spec.path} is reduced over the batch rows (by {state.by}), so the padded rows enter it "
                          f"and cutting the outputs cannot take them out: compute it outside the padded function")
         elif spec.tensor_index is not None and state is None and axis is not None:
             texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
                          f"to the batch size: give it None in out_axes")
-    texts += refuse_unpaddable_outputs(program, rows, specs, axes, [flow.states.get(returned[spec.tensor_index])
-                                                                    if spec.tensor_index is not None else None
-                                                                    for spec in specs], traced_at)
+    again = _traced_again(traced_at, rows)
+    if isinstance(again, str):
+        texts.append(again)
+    else:
+        again_rows, again_program = again
+        refuse_unpaddable_outputs(program, again_program, rows, again_rows, specs, axes, states)
+        texts += batch_size_findings(program, again_program, rows, again_rows)
     if not pad_value_given:
         written = [spec.path for spec in program.inputs
                    if spec.node_name in updates and flow.states.get(updates[spec.node_name]) is not None]
@@ -86,15 +94,30 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     return texts
 
 
-def refuse_unpaddable_outputs(program: Program, rows: int, specs: Sequence[Any], axes: Sequence[Any],
-                              states: Sequence[Any], traced_at: Callable[[int], Program]) -> list[str]:
-    """Raise InputError for an output that no cutting makes right, found by tracing once more at
-    `rows + 1` rows, and only when some output is not proven by the row analysis (a function that
-    cannot be traced at that size, one whose rows must come in pairs, gets a warning instead):
+def _traced_again(traced_at: Callable[[int], Program], rows: int) -> tuple[int, Program] | str:
+    """The function traced at another batch size than `rows`: one row more, or twice as many for a
+    function whose rows must come in pairs; why it could not be, as a warning text."""
+    sizes = (rows + 1, 2 * rows)
+    errors = []
+    for size in sizes:
+        try:
+            return size, traced_at(size)
+        except TraceError as error:
+            errors.append(error)
+    return (f"its reads of the batch size could not be checked: tracing at {sizes[0]} and at {sizes[1]} rows failed "
+            f"({errors[0]}). A number computed from the batch size would be the bucket's, and an output whose out "
+            f"axis holds no batch rows would be cut")
+
+
+def refuse_unpaddable_outputs(program: Program, again: Program, rows: int, again_rows: int, specs: Sequence[Any],
+                              axes: Sequence[Any], states: Sequence[Any]) -> None:
+    """Raise InputError for an output that no cutting makes right, seen in `again`, the function traced
+    at `again_rows` rows:
 
     * a number computed from the batch size (`x.shape[0]`, `x.shape`): baked in as the bucket's;
     * a tensor that out_axes cuts along an axis whose size does not follow the batch (a KV cache
-      returned whole): at a bucket of its size it would be cut to the real rows, silently."""
+      returned whole) where the row analysis does not prove it holds the rows: at a bucket of its size
+      it would be cut to the real rows, silently."""
     numbers = {spec.path: spec.static_value for spec in specs
                if spec.tensor_index is None and not isinstance(spec.static_value, (bool, str, type(None)))}
     returned = program.output_node().args[0]
@@ -102,32 +125,23 @@ def refuse_unpaddable_outputs(program: Program, rows: int, specs: Sequence[Any],
                 for spec, axis, state in zip(specs, axes, states)
                 if spec.tensor_index is not None and isinstance(axis, int) and not isinstance(axis, bool)
                 and not (isinstance(state, Rows) and state.axis == axis % len(returned[spec.tensor_index].meta["val"].shape))}
-    if not numbers and not unproven:
-        return []
-    try:
-        again = traced_at(rows + 1)
-    except TraceError as error:
-        return [f"{', '.join([*numbers, *unproven])} could not be checked to follow the batch size: tracing at "
-                f"{rows + 1} rows failed ({error}). A number computed from the batch size would be the bucket's, and "
-                f"an output whose out axis holds no batch rows would be cut"]
     again_returned = again.output_node().args[0]
     for spec in again.outputs:
         seen = numbers.get(spec.path)
         if spec.path in numbers and spec.static_value != seen and seen == seen:      # a NaN differs from itself
             raise InputError(f"{program.name} returns {spec.path} = {numbers[spec.path]!r} at a batch of {rows} rows and "
-                             f"{spec.static_value!r} at {rows + 1}: a number computed from the batch size, baked into "
+                             f"{spec.static_value!r} at {again_rows}: a number computed from the batch size, baked into "
                              f"each bucket's plan at the padded size, so a padded call would return the bucket's "
                              f"value, not the real batch's. Compute it outside the function from the real batch, or "
                              f"call it without buckets")
         if spec.path in unproven and spec.tensor_index is not None:
             axis, shape = unproven[spec.path]
             sizes = _size(shape, axis), _size(again_returned[spec.tensor_index].meta["val"].shape, axis)
-            if sizes != (rows, rows + 1):
+            if sizes != (rows, again_rows):
                 raise InputError(f"out_axes gives axis {axis} for {spec.path}, but its size along it ({sizes[0]} at a "
-                                 f"batch of {rows}, {sizes[1]} at {rows + 1}) does not follow the batch size, so it "
+                                 f"batch of {rows}, {sizes[1]} at {again_rows}) does not follow the batch size, so it "
                                  f"holds no batch rows and cutting it to the real rows would drop real values: give "
                                  f"it None in out_axes (returned as it is), or the axis that holds its batch rows")
-    return []
 
 
 def _size(shape: Sequence[int], axis: int) -> int | None:

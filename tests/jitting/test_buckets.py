@@ -256,6 +256,42 @@ def test_a_padded_call_that_cannot_be_traced_says_it_was_padded():
         fast(torch.randn(5, 6), torch.randn(5, 1))
 
 
+@pytest.mark.parametrize("fn, message", [
+    (lambda x: x * x.shape[0], r"aten.mul.Tensor reads the batch size as a number \(8 at a batch of 8 rows, 9 at 9\)"),
+    (lambda x: x + torch.tensor(x.shape[0]), "reads the batch size in a tensor constant"),
+    (lambda x: x + torch.full((x.shape[0], 1), float(x.shape[0])), "aten.full reads the batch size as a number"),
+    (lambda x: x.repeat(1, x.shape[0]).sum(-1, keepdim=True), r"batch size in dimensions \[0, 1\]"),
+    (lambda x: x * torch.ones(x.shape[0], x.shape[0]).sum(1, keepdim=True), r"batch size in dimensions \[0, 1\]"),
+    (lambda x: x + torch.arange(x.shape[0]).flip(0)[:, None], "aten.flip reads rows that the graph makes"),
+    (lambda x: x + torch.ones(x.shape[0]).sum(), "aten.sum reduces or indexes rows that the graph makes"),
+    (lambda x: x * 2 if x.shape[0] % 2 == 0 else x - 1, "takes another path at another batch size"),
+], ids=["factor", "tensor-constant", "fill", "repeat-then-sum", "ones-square-summed", "made-rows-flipped",
+        "made-rows-summed", "branch"])
+def test_a_function_that_reads_its_batch_size_other_than_as_a_size_warns(fn, message):
+    """Traced at the bucket's 8 rows, each computes with 8 where the call of 5 rows computes with 5."""
+    fast = df.jit(fn, buckets=(4, 8), in_axes=0, backend="eager")
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match=message):
+        got = fast(x)
+    assert not torch.equal(got, fn(x))                     # what the warning is about
+
+
+def test_sizes_that_shape_tensors_or_bound_all_rows_pad_exactly_without_a_warning():
+    def fn(x, tail):
+        rows = x.shape[0]
+        both = torch.cat([x, tail])
+        return (x.view(rows, 2, -1).sum(1) + torch.arange(rows)[:, None] + torch.zeros(rows, 1) + both[:rows, :2]
+                + both[rows:].sum(0)[:2])
+
+    fast = df.jit(fn, buckets=(4, 8), in_axes=(0, None), backend="eager")
+    tail = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (2, 3, 5, 7):
+            x = torch.randn(rows, 4)
+            torch.testing.assert_close(fast(x, tail), fn(x, tail))
+
+
 def _write_slots(cache, slots, values):
     return cache.index_copy(0, slots, values), values * 2
 
@@ -294,12 +330,28 @@ def _pair_sums(x):
     return sums.repeat_interleave(2, 0), x.shape[1]
 
 
-def test_a_function_that_cannot_be_traced_one_row_past_the_bucket_warns_and_runs():
+def _four_rows(x):
+    """Its shape is written out: the function can be traced at a batch of 4 rows only."""
+    return x.view(2, 2, x.shape[1]).flatten(0, 1) * 2, x.shape[1]
+
+
+def test_a_function_whose_rows_come_in_pairs_is_checked_at_twice_its_rows():
     fast = df.jit(_pair_sums, buckets=(2, 4), in_axes=0, backend="eager")
     x = torch.randn(4, 3)
-    with pytest.warns(UserWarning, match=r"could not be checked to follow the batch size: tracing at 5 rows failed"):
+    with pytest.warns(UserWarning) as caught:
         got = fast(x)
+    assert not any("could not be checked" in str(w.message) for w in caught)
     torch.testing.assert_close(got[0], _pair_sums(x)[0])
+    assert got[1] == 3
+
+
+def test_a_function_that_cannot_be_traced_at_another_batch_size_warns_and_runs():
+    fast = df.jit(_four_rows, buckets=(2, 4), in_axes=0, backend="eager")
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"reads of the batch size could not be checked: tracing at 5 and at 8 rows "
+                                         r"failed"):
+        got = fast(x)
+    torch.testing.assert_close(got[0], _four_rows(x)[0])
     assert got[1] == 3
 
 

@@ -1,0 +1,115 @@
+"""What a function does with its batch size, read off its traces at two batch sizes.
+
+A call padded to a bucket is traced at the bucket's size, so wherever the function reads the batch
+size, it reads the bucket's. Where the size shapes tensors (`view(b, -1)`, `zeros(b, d)`, the end of
+`arange(b)`) or counts all the rows (`x[:b]`, `x[b:]`), that is right: those are the padded batch's
+rows, cut off the outputs later. Anywhere else the real rows would get the bucket's value. The row
+analysis (`transforms.batch_rows`) follows the rows the caller passed and cannot see these reads, since
+in one trace the batch size is only a number. Two traces at different sizes show them, op by op:
+
+* ops that differ: the function takes another path at another batch size (`if x.shape[0] > 4:`),
+  and padded, the real rows take the bucket's;
+* a number argument that differs, where the op reads it as a value (`x * b`, a fill value,
+  `offsets + b`) or as the position of one row (`x[b - 1]`), or a tensor constant that differs
+  (`torch.tensor(b)`): the bucket's value, not the batch's;
+* a dimension whose size differs holds the batch: `transforms.made_rows` finds, from those, the rows
+  the graph makes itself (`torch.ones(b)`, `arange(b)`) and mixes before they meet the passed rows.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import optree
+import torch
+from torch import fx
+
+from ..compat import OpOverload, op_schema
+from ..ir.program import Program
+from ..ir.tree import tensors_in
+from ..transforms.made_rows import rows_padding_would_change
+from ..transforms.row_states import describe
+
+_SIZE_TYPE = re.compile(r"(?<![A-Za-z])int(?![A-Za-z])")
+"""A schema type that takes sizes and positions (`int`, `List[int]`, `Optional[int]`; SymInt prints
+as int), not values (`number`, `Tensor`)."""
+
+_COUNTS = {"arange": {"end"}}
+"""Arguments typed as values that count rows: `arange(b)` numbers the padded batch's rows."""
+
+_ROW_POSITIONS = {"select": {"index"}, "select_scatter": {"index"}, "narrow": {"start"}, "slice": {"start", "end"},
+                  "slice_scatter": {"start", "end"}}
+"""Arguments typed as sizes that name the position of rows: the batch size itself there bounds all
+the rows (`x[:b]`, `x[b:]`), anything computed from it (`x[b - 1]`) picks rows by the bucket's count."""
+
+
+def batch_size_findings(at: Program, again: Program, rows: int, again_rows: int) -> list[str]:
+    """Why padding would change the real rows' results through a read of the batch size, from the
+    function traced at `rows` rows (`at`) and at `again_rows` (`again`); empty if it would not."""
+    nodes, others = list(at.graph.nodes), list(again.graph.nodes)
+    if len(nodes) != len(others) or any(_differ(node, other) for node, other in zip(nodes, others)):
+        first = next((node for node, other in zip(nodes, others) if _differ(node, other)), nodes[-1])
+        return [f"its trace at a batch of {rows} rows differs from its trace at {again_rows} (from {describe(first)} "
+                f"on): it takes another path at another batch size, and padded, the real rows would take the "
+                f"bucket's"]
+    counterpart = dict(zip(nodes, others))
+    constants, constants_again = at.constants(), again.constants()
+    findings = [f"{describe(user)} reads the batch size in a tensor constant ({constants[node.name].tolist()} at a batch "
+                f"of {rows} rows, {constants_again[other.name].tolist()} at {again_rows}), and padded, it would read "
+                f"the bucket's size, not the real batch's"
+                for node, other in counterpart.items() if node.op == "get_attr"
+                and not _same_values(constants[node.name], constants_again[other.name]) for user in list(node.users)[:1]]
+    findings += [f"{describe(node)} reads the batch size as a number ({value} at a batch of {rows} rows, {value_again} "
+                f"at {again_rows}), and padded, it would read the bucket's size, not the real batch's"
+                for node in nodes for value, value_again in _value_reads(node, counterpart[node], rows, again_rows)]
+
+    def batch_axes(node: fx.Node) -> list[list[int]]:
+        return [[axis for axis, (size, size_again) in enumerate(zip(tensor.shape, tensor_again.shape))
+                 if size != size_again]
+                for tensor, tensor_again in zip(tensors_in(node.meta.get("val")),
+                                                tensors_in(counterpart[node].meta.get("val")))]
+
+    made = rows_padding_would_change(at.graph, batch_axes, describe)
+    return findings + ([made] if made is not None else [])
+
+
+def _differ(node: fx.Node, other: fx.Node) -> bool:
+    if (node.op, node.target) != (other.op, other.target):
+        return True
+    ranks = [tensor.dim() for tensor in tensors_in(node.meta.get("val"))]
+    return ranks != [tensor.dim() for tensor in tensors_in(other.meta.get("val"))]
+
+
+def _value_reads(node: fx.Node, other: fx.Node, rows: int, again_rows: int) -> Iterator[tuple[Any, Any]]:
+    """The numbers `node` takes that differ in `other` (the same op at another batch size) where it
+    reads them as values or as the positions of single rows (module docstring)."""
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
+        return
+    schema = op_schema(node.target).arguments
+    name = node.target.overloadpacket.__name__
+    named = {argument.name: argument for argument in schema}
+    pairs = [(schema[i], value, other.args[i]) for i, value in enumerate(node.args) if i < len(schema)]
+    pairs += [(named[key], value, other.kwargs.get(key)) for key, value in node.kwargs.items() if key in named]
+    for argument, value, value_again in pairs:
+        if argument.name in _COUNTS.get(name, ()):
+            continue
+        sized = bool(_SIZE_TYPE.search(str(argument.type)))
+        positions = argument.name in _ROW_POSITIONS.get(name, ())
+        for number, number_again in zip(optree.tree_leaves(value), optree.tree_leaves(value_again)):
+            if not _is_number(number) or number == number_again:
+                continue
+            if not sized or (positions and (number, number_again) != (rows, again_rows)):
+                yield number, number_again
+
+
+def _same_values(constant: torch.Tensor, again: torch.Tensor) -> bool:
+    """Whether two constants hold the same values (NaN where the other has NaN counts as the same)."""
+    if constant.shape != again.shape or constant.dtype != again.dtype:
+        return False
+    return bool(((constant == again) | (constant.isnan() & again.isnan()) if constant.is_floating_point()
+                 else constant == again).all())
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
