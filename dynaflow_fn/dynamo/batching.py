@@ -53,7 +53,7 @@ from torch import fx
 from .. import compat
 from ..ir.tree import tensors_in
 from ..jitting.state import is_state
-from ..transforms.made_rows import rows_padding_would_change
+from ..transforms.made_rows import made_rows_mixed
 from .node_text import op_text, where
 from .symbols import SYMBOL, mentions
 
@@ -106,7 +106,7 @@ def find_batch(graph_module: fx.GraphModule, example_inputs: Sequence[Any],
         if i in tensors and _mentions(value, symbol, skip_first=True):
             return f"input {names[i]} has the batch size {symbol} in another dimension too ({shown})"
     symbols = {symbol, *(str(values[i].shape[0]) for i in agreeing)}
-    read = _read_as_a_number(graph_module, symbols) or rows_padding_would_change(
+    read = _read_as_a_number(graph_module, symbols) or made_rows_mixed(
         graph_module.graph, functools.partial(_symbol_axes, symbols=symbols), lambda node: f"{op_text(node)}{where(node)}")
     if read is not None:
         return read

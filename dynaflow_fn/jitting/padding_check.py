@@ -16,7 +16,7 @@ rows). What padding adds, read off the same analysis:
   batch, so a value computed from the batch size would be the bucket's; such a function is refused
   (`refuse_unpaddable_outputs`), since the outputs cannot be cut back to the real one;
 * the batch size read as a number (`x * x.shape[0]`), a path taken by it, or rows the function makes
-  from it and mixes (`torch.ones(b).sum()`) are the bucket's once padded: `batch_size_reads` compares
+  from it and mixes (`torch.ones(b).sum()`) are the bucket's once padded: `transforms.batch_size_reads` compares
   the trace with a second one at another batch size;
 * an input the function updates in place from the rows (a KV cache written at the rows' slots) is
   written by the padded rows too, at the place their pad values name: zeros unless `pad_value` says
@@ -37,8 +37,8 @@ import torch
 from ..errors import InputError, PaddedUpdateError, TraceError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
+from ..transforms.batch_size_reads import size_reads
 from ..transforms.row_states import Reduced, Rows
-from .batch_size_reads import batch_size_findings
 from .buckets import BatchLayout, OutputAxes
 
 _COPY_ = torch.ops.aten.copy_.default
@@ -49,7 +49,7 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     """Why padding `program` (traced on `leaves`, a call padded to a bucket) may change its real rows'
     results, as warning texts; raises InputError for a batched input it updates in place and for
     outputs padding would return wrong (`refuse_unpaddable_outputs`). `traced_at(rows)` traces the
-    function at another batch size, for what two traces show (`batch_size_reads`)."""
+    function at another batch size, for what two traces show (`transforms.batch_size_reads`)."""
     rows = layout.rows(leaves)
     batch_axes = {program.inputs[b.position].node_name: b.axis % leaves[b.position].dim() for b in layout.batched}
     updates = {node.args[0].name: node.args[1] for node in program.ops()
@@ -84,7 +84,9 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     else:
         again_rows, again_program = again
         refuse_unpaddable_outputs(program, again_program, rows, again_rows, specs, axes, states)
-        texts += batch_size_findings(program, again_program, rows, again_rows)
+        texts += [f"{finding}. Padded to a bucket, the function reads the bucket's size there, not the real batch's, "
+                  f"so the real rows' results change: compute such values outside the function from the real batch "
+                  f"and pass them in as tensors" for finding in size_reads(program, again_program, rows, again_rows).texts()]
     if not pad_value_given:
         written = [spec.path for spec in program.inputs
                    if spec.node_name in updates and flow.states.get(updates[spec.node_name]) is not None]

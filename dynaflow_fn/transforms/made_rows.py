@@ -1,13 +1,15 @@
-"""Rows a graph makes itself from the batch size, which padding changes where the graph mixes them.
+"""Rows a graph makes itself from the batch size, which padding or splitting the batch changes where
+the graph mixes them.
 
 Padding a batch to a bucket (`df.jit(buckets=...)`, `df.compile_backend(buckets=...)`) adds rows of
-zeros to the tensors the caller passed, and the row analysis (`transforms.batch_rows`) follows those
-rows through the traced graph: it sees every op that mixes them. It cannot see rows the graph makes
-from the batch size, since the graph is traced at the bucket's size, where the batch size is only a
-number:
+zeros to the tensors the caller passed, and micro-batching (`T.microbatch`) runs the graph on part of
+them. The row analysis (`transforms.batch_rows`) follows the passed rows through the traced graph: it
+sees every op that mixes them. It cannot see rows the graph makes from the batch size, since the
+graph is traced at the bucket's (or micro-batch's) size, where the batch size is only a number. Padded:
 
-* a tensor with the batch size in two dimensions (`x.repeat(1, b)`, `x[:, None].expand(b, b, d)`,
-  `torch.ones(b, b)`): padded, the second dimension holds the bucket's count too, and whatever is
+* a tensor with the batch size in two dimensions, sized by it (`x.repeat(1, b)`,
+  `x[:, None].expand(b, b, d)`, `torch.ones(b, b)`; rows times rows, `x @ x.T`, the row analysis
+  reports): padded, the second dimension holds the bucket's count too, and whatever is
   reduced over it takes in the padded rows;
 * rows made in the graph (`torch.ones(b)`, `x.new_ones(b)`, `torch.arange(b)`, `w.expand(b, d)`):
   padded, they hold the bucket's rows, whose values are not zeros (`ones`) or not the padded inputs'
@@ -15,6 +17,9 @@ number:
   rows read what they read unpadded. Reduced over the rows (`torch.ones(b).sum()`), indexed by a row
   number (`arange(b)[-1]`), or reordered or accumulated along them (`flip(0)`, `cumsum(0)`), they read
   the padded rows.
+
+Split into micro-batches, each micro-batch makes rows of its own count, and the same ops read that
+count, not the batch's.
 
 Which dimensions hold the batch size is the caller's to say (`BatchAxes`): Dynamo's graphs name it
 by a symbol (`s0`), and a graph traced at two batch sizes shows it as the dimensions that changed.
@@ -50,29 +55,29 @@ it: the position of that dimension among the arguments after the tensor (None: f
 (None: all of them)."""
 
 
-def rows_padding_would_change(graph: fx.Graph, batch_axes: BatchAxes, describe: Callable[[fx.Node], str]) -> str | None:
-    """Why padding the batch would change the real rows' results through a tensor the graph makes from
-    the batch size (module docstring), naming ops by `describe`; None if it does not."""
+def made_rows_mixed(graph: fx.Graph, batch_axes: BatchAxes, describe: Callable[[fx.Node], str]) -> str | None:
+    """Where the graph mixes rows it makes from the batch size (module docstring), in the words of a
+    finding, naming ops by `describe`; None if it does not."""
     made: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
         axes = batch_axes(node)
-        for result_axes in axes:
-            if len(result_axes) > 1:
-                return (f"{describe(node)} makes a tensor with the batch size in dimensions {result_axes}, and "
-                        f"padded, the bucket's rows would enter the real rows' results")
-        batched = any(axes)
         arguments = [argument for argument in node.all_input_nodes if any(batch_axes(argument))]
+        for result_axes in axes:
+            if len(result_axes) > 1 and len(arguments) < 2:    # rows times rows: the row analysis reports those
+                return (f"{describe(node)} makes a tensor with the batch size in dimensions {result_axes}: the rows "
+                        f"of one meet every row of the other")
+        batched = any(axes)
         if batched and (_name(node) in _MAKES_ITS_VALUES or not arguments):
             made.add(node)
         elif arguments and all(argument in made for argument in arguments) and axes:
             if not batched:
                 return (f"{describe(node)} reduces or indexes rows that the graph makes from the batch size (by "
-                        f"{describe(arguments[0])}), and padded, it would read the bucket's rows")
+                        f"{describe(arguments[0])})")
             if _along_the_rows(node, arguments[0], batch_axes):
                 return (f"{describe(node)} reads rows that the graph makes from the batch size (by "
-                        f"{describe(arguments[0])}) along the rows, and padded, it would read the bucket's rows")
+                        f"{describe(arguments[0])}) along the rows")
             made.add(node)
     return None
 

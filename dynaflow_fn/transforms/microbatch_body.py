@@ -10,8 +10,10 @@ whether that merge gives the unsplit function's result, and the values alone can
   the unsplit one, so the body is traced at the micro-batch size and at the full size, and an output
   is *shared* only when its recipe (the ops, arguments, constants and shapes it is computed from) is
   the same in both traces.
-- Which ops couple the rows of the batch (`batch_rows`), and which inputs the body updates in
-  place (the update then runs once per micro-batch): micro-batching changes what those compute.
+- Which ops couple the rows of the batch (`batch_rows`), which read the batch size other than as a
+  shape (`batch_size_reads`, from the same two traces: each micro-batch reads its own size), and
+  which inputs the body updates in place (the update then runs once per micro-batch):
+  micro-batching changes what those compute.
 
 The body is traced outside whatever trace is running (`compat.outside_current_trace`), so this works
 also while an outer trace is running (the micro-batched function being traced, or called inside a
@@ -37,6 +39,7 @@ from ..ir.program import Program
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
 from .batch_rows import follow_rows, reads_values
+from .batch_size_reads import SizeReads, size_reads
 from .row_states import Reduced, Rows, State, describe
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
@@ -54,6 +57,13 @@ class BodyFacts:
     warnings: tuple[str, ...] = ()
     target_means: tuple[str, ...] = ()
     """The losses that average over their targets, not over rows (`target_mean_losses`)."""
+    batch_free_terms: dict[str, str] = field(default_factory=dict)
+    """Per output path, the op that adds a term reading no batch row to a reduction over the rows
+    (`batch_free_terms`): merged with "sum", each micro-batch adds that term once more."""
+    size_numbers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per output path, where it is computed from the batch size read as a number (`size_reads`): each
+    micro-batch reads its own size. Merged with "mean", a sum over the rows divided by their count (a
+    mean's backward divides so) is right; merged otherwise, such an output is the micro-batches'."""
 
 
 def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any], paths: Sequence[str],
@@ -73,8 +83,8 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
     outputs = _output_nodes(program)
     independent = {path: node for path, node in outputs.items()
                    if not any(n.op == "placeholder" and n.name in split_nodes for n in _ancestors(node))}
-    shared, texts = frozenset(), []
-    if independent or _numbers(program):
+    shared, texts, full = frozenset(), [], None
+    if independent or _numbers(program) or rows >= 2:
         full = _trace_aside(body, tree, [_abstract(leaf) for leaf in leaves])
         if full is not None:
             full_outputs = _output_nodes(full)
@@ -83,6 +93,13 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
             texts = _sized_numbers(program, full)
     if rows < 2:
         return BodyFacts(shared, warnings=tuple(texts))
+    reads = SizeReads()
+    if full is not None:
+        batch = next(leaf.shape[axis] for leaf, axis in zip(leaves, split_axes) if axis is not None)
+        reads = size_reads(program, full, rows, batch)
+        texts += [f"microbatch: {finding}. Each micro-batch reads its own size there, not the batch's. "
+                  f"{_CHANGES_MEANING} Compute such values outside the micro-batched function and pass them in."
+                  for finding in reads.changes]
     flow = follow_rows(program.graph, split_nodes, rows)
     texts += [f"microbatch: {finding}. {_CHANGES_MEANING} Put train-mode layers such as BatchNorm in eval mode "
              f"(model.eval()), or compute such values outside the micro-batched function."
@@ -94,7 +111,50 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
                      f"runs once per micro-batch instead of once per call. Keep that update outside the "
                      f"micro-batched function (for BatchNorm's running statistics: eval mode).")
     return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts),
-                     target_mean_losses(program))
+                     target_mean_losses(program), batch_free_terms(outputs, flow.states),
+                     _size_numbers(outputs, reads))
+
+
+_IS_THE_NUMBER = (torch.ops.aten.lift_fresh_copy, torch.ops.aten.scalar_tensor, torch.ops.aten.full)
+"""Ops whose result holds nothing but the number they read (`torch.tensor(b)`, `torch.full((), b)`)."""
+
+
+def _size_numbers(outputs: dict[str, fx.Node], reads: SizeReads) -> dict[str, tuple[str, ...]]:
+    """Per output path, the reads of the batch size as a number it is computed from, other than the
+    output itself being that number (`torch.tensor(b)`: its micro-batches' values add up to the batch's)."""
+    if not reads.numbers:
+        return {}
+    found = {}
+    for path, output in outputs.items():
+        ancestors = set(_ancestors(output))
+        if getattr(output.target, "overloadpacket", None) in _IS_THE_NUMBER:
+            ancestors.discard(output)
+        texts = tuple(text for node, text in reads.numbers if node in ancestors)
+        if texts:
+            found[path] = texts
+    return found
+
+
+_ADDS = (torch.ops.aten.add, torch.ops.aten.sub, torch.ops.aten.rsub)
+
+
+def batch_free_terms(outputs: dict[str, fx.Node], states: dict[fx.Node, State]) -> dict[str, str]:
+    """Per output path, the first op on its way that adds a term reading no batch row (a penalty on
+    the weights, its gradient `2 * w`, a constant) to a value reduced over the rows (a summed loss):
+    `x.sum() + w.pow(2).sum()`. Summed over micro-batches, the reduction adds up to the batch's, but
+    the term is counted once per micro-batch; outputs that read no batch row at all come back once,
+    as the unsplit function computes them."""
+    found = {}
+    for path, output in outputs.items():
+        for node in _ancestors(output):
+            if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in _ADDS:
+                continue
+            terms = [states.get(arg) if isinstance(arg, fx.Node) else (None if arg != 0 else "zero")
+                     for arg in node.args[:2]]
+            if any(isinstance(term, Reduced) for term in terms) and None in terms:
+                found[path] = describe(node)
+                break
+    return found
 
 
 _TARGET_MEANS = (torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward)
@@ -132,7 +192,50 @@ def _sized_numbers(micro: Program, full: Program) -> list[str]:
             if whole.get(path) != value and value == value]              # a NaN differs from itself
 
 
-def merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None:
+def merge_warnings(facts: BodyFacts, merges: Sequence[tuple[str, Any, Any]], num: int) -> list[str]:
+    """Why merging `num` micro-batches' outputs as `merges` says (per output: its path, its out_axes
+    leaf and the first micro-batch's value) gives other values than the unsplit function, as warning
+    texts."""
+    texts, counted_again, sized, size_texts = [], [], [], {}
+    for where, axis, value in merges:
+        if isinstance(value, torch.Tensor) and axis is not None and (
+                text := _merge_warning(where, facts.rows.get(where), axis, value.dim())):
+            texts.append(text)
+        if axis == "sum" and where in facts.batch_free_terms:
+            counted_again.append(f"{where} (at {facts.batch_free_terms[where]})")
+        if axis != "mean" and where in facts.size_numbers and where not in facts.shared:
+            sized.append(where)
+            size_texts.update(dict.fromkeys(facts.size_numbers[where]))
+    if sized:
+        texts.append(f"microbatch: {'; '.join(size_texts)}. Each micro-batch reads its own size there, not the "
+                     f"batch's, and {_listed(sized)} {'is' if len(sized) == 1 else 'are'} computed from it and merged "
+                     f"otherwise than by out_axes \"mean\", so the micro-batched function returns the micro-batches' "
+                     f"values, not the unsplit function's. Compute such values outside the micro-batched function and "
+                     f"pass them in.")
+    if counted_again:
+        texts.append(f"microbatch: {_listed(counted_again)} {'adds' if len(counted_again) == 1 else 'add'} a term that "
+                     f"reads no batch row to a sum over the rows (a penalty on the weights, its gradient, a constant), "
+                     f"and out_axes \"sum\" adds the micro-batches' values, so that term is counted {num} times, once "
+                     f"per micro-batch, where the unsplit function counts it once; an output that reads no batch row at "
+                     f"all (the gradient of a weight only the penalty reads) comes back once. Add such terms outside "
+                     f"the micro-batched function, or divide them by the number of micro-batches.")
+    if facts.target_means and "mean" in [axis for _, axis, _ in merges]:
+        texts.append(f"microbatch: the loss averages over its targets, not its rows ({', '.join(facts.target_means)}: "
+                     f"cross-entropy's reduction='mean' divides by the targets other than ignore_index, weighted by "
+                     f"class weight if given), and out_axes \"mean\" weights the micro-batches by rows. The two agree "
+                     f"only where every micro-batch holds the same share of such targets; with targets labelled "
+                     f"ignore_index (padding, prompt tokens: -100), the loss and gradients are not the batch's. Sum the "
+                     f"loss instead (reduction='sum'), divide it by the whole batch's count of counted targets (an "
+                     f"argument not split, as transformers' num_items_in_batch), and merge with out_axes \"sum\".")
+    return texts
+
+
+def _listed(items: Sequence[str], most: int = 3) -> str:
+    """`a, b, c and 4 more`."""
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def _merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None:
     """Why merging an output of this state and rank with this `out_axes` leaf differs from the unsplit result."""
     if isinstance(axis, int) and rank:
         axis %= rank

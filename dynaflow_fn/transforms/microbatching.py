@@ -29,7 +29,7 @@ from ..ir.scopes import ScopeKind
 from ..ir.tree import argument_names, leaf_key, output_path_to_str, path_to_str
 from ..tracing.regions import active_recorder
 from .base import Pass, apply_transform, retraced
-from .microbatch_body import BodyFacts, merge_warning, study_body, studying
+from .microbatch_body import BodyFacts, merge_warnings, study_body, studying
 
 _REDUCTIONS = ("sum", "mean")
 _NOT_BATCHED_HINT = ("An int in in_axes for a whole argument (or the default in_axes=0, for all of them) splits every "
@@ -287,22 +287,14 @@ def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: B
     if axes is None:
         raise TransformError(f"microbatch: out_axes={out_axes!r} does not match the function's result, whose "
                              f"structure is {tree}")
+    wheres = [output_path_to_str(path) for path in paths]
     merged = []
-    for i, (path, axis) in enumerate(zip(paths, axes)):
-        where = output_path_to_str(path)
+    for i, (where, axis) in enumerate(zip(wheres, axes)):
         values = [leaves[i] for leaves in per_micro_batch]
         merged.append(values[0] if where in facts.shared else _merge_leaf(where, axis, values, sizes))
-        if report and isinstance(values[0], torch.Tensor) and axis is not None and (
-                text := merge_warning(where, facts.rows.get(where), axis, values[0].dim())):
+    if report:
+        for text in merge_warnings(facts, list(zip(wheres, axes, first)), len(results)):
             warn(text)
-    if report and facts.target_means and "mean" in axes:
-        warn(f"microbatch: the loss averages over its targets, not its rows ({', '.join(facts.target_means)}: "
-             f"cross-entropy's reduction='mean' divides by the targets other than ignore_index, weighted by class "
-             f"weight if given), and out_axes \"mean\" weights the micro-batches by rows. The two agree only where "
-             f"every micro-batch holds the same share of such targets; with targets labelled ignore_index (padding, "
-             f"prompt tokens: -100), the loss and gradients are not the batch's. Sum the loss instead "
-             f"(reduction='sum'), divide it by the whole batch's count of counted targets (an argument not split, "
-             f"as transformers' num_items_in_batch), and merge with out_axes \"sum\".")
     return optree.tree_unflatten(tree, merged)
 
 

@@ -365,6 +365,55 @@ def test_accumulating_a_mean_over_targets_with_a_row_weighted_mean_warns_and_the
     torch.testing.assert_close((loss, grads), (full_loss, full_grads))
 
 
+@pytest.mark.parametrize("fn, out_axes, message", [
+    (lambda x: x / x.shape[0], 0, r"aten\.div\.Tensor reads the batch size as a number \(2 at a batch of 2 rows, 6 at 6\)"),
+    (lambda x: x.sum() / x.shape[0], "sum", r"aten\.div\.Tensor reads the batch size as a number"),
+    (lambda x: x + torch.ones(x.shape[0]).sum(), 0, r"aten\.sum reduces or indexes rows that the graph makes"),
+    (lambda x: x.repeat(1, x.shape[0]).sum(-1), 0, r"the batch size in dimensions \[0, 1\]"),
+], ids=["divided-by-rows", "summed-then-divided", "made-rows-summed", "repeat-then-sum"])
+def test_a_body_that_reads_its_batch_size_warns_that_each_micro_batch_reads_its_own(fn, out_axes, message):
+    """Each micro-batch of 2 rows computes with 2 where the unsplit call of 6 computes with 6."""
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=message):
+        got = df.jit(T.microbatch(fn, num=3, out_axes=out_axes))(x)
+    assert not torch.allclose(got, fn(x))                  # what the warning is about
+
+
+def test_a_sum_divided_by_the_micro_batchs_rows_and_merged_by_mean_is_the_batch_mean_without_a_warning():
+    fn = lambda x: x.pow(2).sum() / x.shape[0]             # noqa: E731
+    x = torch.randn(6, 3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(T.microbatch(fn, num=3, out_axes="mean"))(x)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, fn(x))
+
+
+def test_a_term_that_reads_no_batch_row_added_to_a_summed_loss_warns_that_sum_counts_it_per_micro_batch():
+    def penalized(params, x):                              # a summed loss plus a penalty on the weights
+        return (x @ params["w"]).pow(2).sum() + params["w"].pow(2).sum() + params["s"].pow(2).sum()
+
+    params, x = {"w": torch.randn(3, 2), "s": torch.randn(2)}, torch.randn(6, 3)
+    accumulate = T.microbatch(df.value_and_grad(penalized), num=3, in_axes=(None, 0), out_axes="sum")
+    with pytest.warns(UserWarning, match=r"out\[0\] \(at aten\.add\.Tensor\), out\[1\]\['w'\] \(at aten\.add\.Tensor\) "
+                                         r"add a term that reads no batch row .* counted 3 times"):
+        loss, grads = df.jit(accumulate)(params, x)
+    parts = [df.value_and_grad(penalized)(params, part) for part in x.split(2)]
+    torch.testing.assert_close(loss, sum(part[0] for part in parts))   # what the warning says: the penalty 3 times
+    torch.testing.assert_close(grads["s"], df.grad(penalized)(params, x)["s"])   # ... but "s" once
+
+    def summed(params, x, rows):                           # the penalty outside: nothing to warn about
+        return (x @ params["w"]).pow(2).sum() / rows
+
+    accumulate = T.microbatch(df.value_and_grad(summed), num=3, in_axes=(None, 0, None), out_axes="sum")
+    rows = torch.tensor(6.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(accumulate)(params, x, rows)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, df.value_and_grad(summed)(params, x, rows))
+
+
 @pytest.mark.parametrize("name", ["mlp", "block", "two-branch", "llama"])
 def test_the_models_the_suite_micro_batches_do_not_warn(name, no_microbatch_warnings):
     if name == "llama":

@@ -1,17 +1,18 @@
 """What a function does with its batch size, read off its traces at two batch sizes.
 
-A call padded to a bucket is traced at the bucket's size, so wherever the function reads the batch
-size, it reads the bucket's. Where the size shapes tensors (`view(b, -1)`, `zeros(b, d)`, the end of
-`arange(b)`) or counts all the rows (`x[:b]`, `x[b:]`), that is right: those are the padded batch's
-rows, cut off the outputs later. Anywhere else the real rows would get the bucket's value. The row
-analysis (`transforms.batch_rows`) follows the rows the caller passed and cannot see these reads, since
-in one trace the batch size is only a number. Two traces at different sizes show them, op by op:
+A function run on other rows than the caller's batch, padded to a bucket (`df.jit(buckets=...)`) or
+split into micro-batches (`T.microbatch`), is traced at that other size, so wherever it reads the batch
+size, it reads the bucket's or the micro-batch's. Where the size shapes tensors (`view(b, -1)`,
+`zeros(b, d)`, the end of `arange(b)`) or counts all the rows (`x[:b]`, `x[b:]`), that is right: those
+are the rows the function runs on, merged or cut back later. Anywhere else the rows get another
+value than the caller's batch would give them. The row analysis (`transforms.batch_rows`) follows the
+rows the caller passed and cannot see these reads, since in one trace the batch size is only a
+number. Two traces at different sizes show them, op by op:
 
-* ops that differ: the function takes another path at another batch size (`if x.shape[0] > 4:`),
-  and padded, the real rows take the bucket's;
+* ops that differ: the function takes another path at another batch size (`if x.shape[0] > 4:`);
 * a number argument that differs, where the op reads it as a value (`x * b`, a fill value,
   `offsets + b`) or as the position of one row (`x[b - 1]`), or a tensor constant that differs
-  (`torch.tensor(b)`): the bucket's value, not the batch's;
+  (`torch.tensor(b)`);
 * a dimension whose size differs holds the batch: `transforms.made_rows` finds, from those, the rows
   the graph makes itself (`torch.ones(b)`, `arange(b)`) and mixes before they meet the passed rows.
 """
@@ -19,17 +20,18 @@ in one trace the batch size is only a number. Two traces at different sizes show
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import optree
 import torch
 from torch import fx
 
-from ..compat import OpOverload, op_schema
+from ..compat import OpOverload, op_schema, outside_current_trace
 from ..ir.program import Program
 from ..ir.tree import tensors_in
-from ..transforms.made_rows import rows_padding_would_change
-from ..transforms.row_states import describe
+from .made_rows import made_rows_mixed
+from .row_states import describe
 
 _SIZE_TYPE = re.compile(r"(?<![A-Za-z])int(?![A-Za-z])")
 """A schema type that takes sizes and positions (`int`, `List[int]`, `Optional[int]`; SymInt prints
@@ -41,27 +43,42 @@ _COUNTS = {"arange": {"end"}}
 _ROW_POSITIONS = {"select": {"index"}, "select_scatter": {"index"}, "narrow": {"start"}, "slice": {"start", "end"},
                   "slice_scatter": {"start", "end"}}
 """Arguments typed as sizes that name the position of rows: the batch size itself there bounds all
-the rows (`x[:b]`, `x[b:]`), anything computed from it (`x[b - 1]`) picks rows by the bucket's count."""
+the rows (`x[:b]`, `x[b:]`), anything computed from it (`x[b - 1]`) picks rows by the traced count."""
 
 
-def batch_size_findings(at: Program, again: Program, rows: int, again_rows: int) -> list[str]:
-    """Why padding would change the real rows' results through a read of the batch size, from the
-    function traced at `rows` rows (`at`) and at `again_rows` (`again`); empty if it would not."""
+@dataclass(frozen=True)
+class SizeReads:
+    """What two traces show of a function's reads of its batch size, each in the words of a finding:
+    `changes` give the rows another value whatever is done with them later (another path, rows made
+    from the size and mixed); `numbers` read the size as a value, each with the op that reads it, whose
+    results may still come out right (a sum over the rows divided by their count is their mean)."""
+
+    changes: tuple[str, ...] = ()
+    numbers: tuple[tuple[fx.Node, str], ...] = ()
+
+    def texts(self) -> list[str]:
+        return [*self.changes, *(text for _, text in self.numbers)]
+
+
+def size_reads(at: Program, again: Program, rows: int, again_rows: int) -> SizeReads:
+    """The function's reads of its batch size that give its rows another value at another batch size,
+    from its traces at `rows` rows (`at`) and at `again_rows` (`again`)."""
     nodes, others = list(at.graph.nodes), list(again.graph.nodes)
     if len(nodes) != len(others) or any(_differ(node, other) for node, other in zip(nodes, others)):
         first = next((node for node, other in zip(nodes, others) if _differ(node, other)), nodes[-1])
-        return [f"its trace at a batch of {rows} rows differs from its trace at {again_rows} (from {describe(first)} "
-                f"on): it takes another path at another batch size, and padded, the real rows would take the "
-                f"bucket's"]
+        return SizeReads(changes=(f"its trace at a batch of {rows} rows differs from its trace at {again_rows} (from "
+                                  f"{describe(first)} on): it takes another path at another batch size",))
     counterpart = dict(zip(nodes, others))
-    constants, constants_again = at.constants(), again.constants()
-    findings = [f"{describe(user)} reads the batch size in a tensor constant ({constants[node.name].tolist()} at a batch "
-                f"of {rows} rows, {constants_again[other.name].tolist()} at {again_rows}), and padded, it would read "
-                f"the bucket's size, not the real batch's"
-                for node, other in counterpart.items() if node.op == "get_attr"
-                and not _same_values(constants[node.name], constants_again[other.name]) for user in list(node.users)[:1]]
-    findings += [f"{describe(node)} reads the batch size as a number ({value} at a batch of {rows} rows, {value_again} "
-                f"at {again_rows}), and padded, it would read the bucket's size, not the real batch's"
+    with outside_current_trace():                      # the constants are real tensors, compared as such
+        constants, constants_again = at.constants(), again.constants()
+        numbers = [(user, f"{describe(user)} reads the batch size in a tensor constant "
+                          f"({constants[node.name].tolist()} at a batch of {rows} rows, "
+                          f"{constants_again[other.name].tolist()} at {again_rows})")
+                   for node, other in counterpart.items() if node.op == "get_attr"
+                   and not _same_values(constants[node.name], constants_again[other.name])
+                   for user in list(node.users)[:1]]
+    numbers += [(node, f"{describe(node)} reads the batch size as a number ({value} at a batch of {rows} rows, "
+                       f"{value_again} at {again_rows})")
                 for node in nodes for value, value_again in _value_reads(node, counterpart[node], rows, again_rows)]
 
     def batch_axes(node: fx.Node) -> list[list[int]]:
@@ -70,8 +87,8 @@ def batch_size_findings(at: Program, again: Program, rows: int, again_rows: int)
                 for tensor, tensor_again in zip(tensors_in(node.meta.get("val")),
                                                 tensors_in(counterpart[node].meta.get("val")))]
 
-    made = rows_padding_would_change(at.graph, batch_axes, describe)
-    return findings + ([made] if made is not None else [])
+    made = made_rows_mixed(at.graph, batch_axes, describe)
+    return SizeReads(changes=(made,) if made is not None else (), numbers=tuple(numbers))
 
 
 def _differ(node: fx.Node, other: fx.Node) -> bool:
