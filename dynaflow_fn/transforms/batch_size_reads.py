@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
@@ -36,6 +36,8 @@ from .row_states import describe
 _SIZE_TYPE = re.compile(r"(?<![A-Za-z])int(?![A-Za-z])")
 """A schema type that takes sizes and positions (`int`, `List[int]`, `Optional[int]`; SymInt prints
 as int), not values (`number`, `Tensor`)."""
+
+_ARANGE = torch.ops.aten.arange
 
 _COUNTS = {"arange": {"end"}}
 """Arguments typed as values that count rows: `arange(b)` numbers the padded batch's rows."""
@@ -55,6 +57,11 @@ class SizeReads:
 
     changes: tuple[str, ...] = ()
     numbers: tuple[tuple[fx.Node, str], ...] = ()
+    row_numbers: frozenset[fx.Node] = frozenset()
+    """The rows' numbers the function makes (`torch.arange(b)`, and what is computed from them alone):
+    padded, the real rows keep theirs; split, each micro-batch numbers its rows from 0."""
+    batched: frozenset[fx.Node] = frozenset()
+    """The values with a dimension that follows the batch size."""
 
     def texts(self) -> list[str]:
         return [*self.changes, *(text for _, text in self.numbers)]
@@ -88,7 +95,20 @@ def size_reads(at: Program, again: Program, rows: int, again_rows: int) -> SizeR
                                                 tensors_in(counterpart[node].meta.get("val")))]
 
     made = made_rows_mixed(at.graph, batch_axes, describe)
-    return SizeReads(changes=(made,) if made is not None else (), numbers=tuple(numbers))
+    return SizeReads(changes=(made,) if made is not None else (), numbers=tuple(numbers),
+                     row_numbers=_row_numbers(nodes, batch_axes),
+                     batched=frozenset(node for node in nodes if any(batch_axes(node))))
+
+
+def _row_numbers(nodes: list[fx.Node], batch_axes: Callable[[fx.Node], list[list[int]]]) -> frozenset[fx.Node]:
+    numbered: set[fx.Node] = set()
+    for node in nodes:
+        if node.op != "call_function" or not any(batch_axes(node)):
+            continue
+        sources = [argument for argument in node.all_input_nodes if any(batch_axes(argument))]
+        if getattr(node.target, "overloadpacket", None) is _ARANGE or (sources and set(sources) <= numbered):
+            numbered.add(node)
+    return frozenset(numbered)
 
 
 def _differ(node: fx.Node, other: fx.Node) -> bool:

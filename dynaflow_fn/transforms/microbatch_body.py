@@ -101,6 +101,10 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
                   f"{_CHANGES_MEANING} Compute such values outside the micro-batched function and pass them in."
                   for finding in reads.changes]
     flow = follow_rows(program.graph, split_nodes, rows)
+    numbered = _row_numbers_read(program, reads)
+    if numbered is not None:
+        texts.append(f"microbatch: {numbered}. Each micro-batch numbers its own rows from 0, not by their place in "
+                     f"the batch. {_CHANGES_MEANING} Pass the rows' numbers in as a split argument instead.")
     texts += [f"microbatch: {finding}. {_CHANGES_MEANING} Put train-mode layers such as BatchNorm in eval mode "
              f"(model.eval()), or compute such values outside the micro-batched function."
              for finding in flow.findings]
@@ -113,6 +117,34 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
     return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts),
                      target_mean_losses(program), batch_free_terms(outputs, flow.states),
                      _size_numbers(outputs, reads))
+
+
+def _row_numbers_read(program: Program, reads: SizeReads) -> str | None:
+    """Where the body uses the numbers of its rows (`torch.arange(x.shape[0])`) other than as indices
+    into a value of its own rows (`x[torch.arange(b)]`, as transformers' masks index; Mixtral's experts
+    putting each token back at its number): with the rows' values (`x + arange(b)[:, None]`), to read a
+    tensor that holds no batch (`table[arange(b)]`), or returned."""
+    numbers = reads.row_numbers
+    returned = set(_output_nodes(program).values())
+    for node in program.graph.nodes:
+        if node in numbers and node in returned:
+            return f"it returns the numbers of its rows ({describe(node)})"
+        if node in numbers or node.op != "call_function":
+            continue
+        used = [argument for argument in node.all_input_nodes if argument in numbers]
+        if not used:
+            continue
+        source = node.args[0] if node.args else None
+        if (getattr(getattr(node.target, "overloadpacket", None), "__name__", "") in _INDEXING
+                and source not in numbers and source in reads.batched):
+            continue
+        return f"{describe(node)} uses the numbers of its rows (from {describe(used[0])})"
+    return None
+
+
+_INDEXING = frozenset({"index", "_unsafe_index", "index_put", "index_put_", "_unsafe_index_put", "index_select",
+                       "gather", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill"})
+"""Ops that read or write a tensor at positions given by index tensors after it."""
 
 
 _IS_THE_NUMBER = (torch.ops.aten.lift_fresh_copy, torch.ops.aten.scalar_tensor, torch.ops.aten.full)

@@ -4,6 +4,7 @@ it says why not (an error naming the argument, or a warning naming the op)."""
 import re
 import warnings
 
+import optree
 import pytest
 import torch
 from torch import nn
@@ -377,6 +378,34 @@ def test_a_body_that_reads_its_batch_size_warns_that_each_micro_batch_reads_its_
     with pytest.warns(UserWarning, match=message):
         got = df.jit(T.microbatch(fn, num=3, out_axes=out_axes))(x)
     assert not torch.allclose(got, fn(x))                  # what the warning is about
+
+
+_TABLE = torch.randn(6, 3)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda x: x + torch.arange(x.shape[0])[:, None], r"aten\.add\.Tensor uses the numbers of its rows"),
+    (lambda x: x + _TABLE[torch.arange(x.shape[0])], r"uses the numbers of its rows \(from aten\.index\.Tensor\)"),
+    (lambda x: (x * 2, torch.arange(x.shape[0])), r"it returns the numbers of its rows"),
+], ids=["added-to-the-rows", "reading-a-table", "returned"])
+def test_a_body_that_numbers_its_rows_warns_that_each_micro_batch_numbers_its_own_from_0(fn, message):
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=message):
+        got = df.jit(T.microbatch(fn, num=3))(x)
+    assert not all(torch.equal(g, e) for g, e in zip(optree.tree_leaves(got), optree.tree_leaves(fn(x))))
+
+
+def test_rows_read_by_their_own_numbers_split_exactly_without_a_warning():
+    def fn(x):                                             # as transformers' masks and Mixtral's experts index
+        rows = torch.arange(x.shape[0])
+        return torch.zeros_like(x).index_put((rows,), x[rows] * 2) + torch.arange(x.shape[1])
+
+    x = torch.randn(6, 3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(T.microbatch(fn, num=3))(x)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, fn(x))
 
 
 def test_a_sum_divided_by_the_micro_batchs_rows_and_merged_by_mean_is_the_batch_mean_without_a_warning():
