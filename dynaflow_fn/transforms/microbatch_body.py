@@ -120,10 +120,10 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
 
 
 def _row_numbers_read(program: Program, reads: SizeReads) -> str | None:
-    """Where the body uses the numbers of its rows (`torch.arange(x.shape[0])`) other than as indices
-    into a value of its own rows (`x[torch.arange(b)]`, as transformers' masks index; Mixtral's experts
-    putting each token back at its number): with the rows' values (`x + arange(b)[:, None]`), to read a
-    tensor that holds no batch (`table[arange(b)]`), or returned."""
+    """Where the body uses the numbers of its rows (`torch.arange(x.shape[0])`) other than as positions
+    in a value of its own rows (`x[torch.arange(b)]`, as transformers' masks index; Mixtral's experts
+    putting each token back at its number; an embedding bag's offsets): with the rows' values
+    (`x + arange(b)[:, None]`), to read a tensor that holds no batch (`table[arange(b)]`), or returned."""
     numbers = reads.row_numbers
     returned = set(_output_nodes(program).values())
     for node in program.graph.nodes:
@@ -134,17 +134,19 @@ def _row_numbers_read(program: Program, reads: SizeReads) -> str | None:
         used = [argument for argument in node.all_input_nodes if argument in numbers]
         if not used:
             continue
-        source = node.args[0] if node.args else None
+        indexed = [argument for argument in node.all_input_nodes if argument not in numbers]
         if (getattr(getattr(node.target, "overloadpacket", None), "__name__", "") in _INDEXING
-                and source not in numbers and source in reads.batched):
+                and any(argument in reads.batched for argument in indexed)):
             continue
         return f"{describe(node)} uses the numbers of its rows (from {describe(used[0])})"
     return None
 
 
 _INDEXING = frozenset({"index", "_unsafe_index", "index_put", "index_put_", "_unsafe_index_put", "index_select",
-                       "gather", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill"})
-"""Ops that read or write a tensor at positions given by index tensors after it."""
+                       "gather", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill",
+                       "_embedding_bag", "_embedding_bag_forward_only"})
+"""Ops that read or write tensors at positions that index tensors give (an embedding bag's offsets
+into its flattened indices)."""
 
 
 _IS_THE_NUMBER = (torch.ops.aten.lift_fresh_copy, torch.ops.aten.scalar_tensor, torch.ops.aten.full)

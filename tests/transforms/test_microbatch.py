@@ -408,6 +408,16 @@ def test_rows_read_by_their_own_numbers_split_exactly_without_a_warning():
     torch.testing.assert_close(got, fn(x))
 
 
+def test_an_embedding_bag_whose_offsets_number_the_rows_splits_exactly_without_a_warning():
+    fn, params = df.pure(nn.EmbeddingBag(10, 4, mode="mean"))   # its offsets: arange(0, rows * 3, 3)
+    ids = torch.randint(0, 10, (6, 3))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(T.microbatch(fn, num=3, in_axes=(None, 0)))(params, ids)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, fn(params, ids))
+
+
 def test_a_sum_divided_by_the_micro_batchs_rows_and_merged_by_mean_is_the_batch_mean_without_a_warning():
     fn = lambda x: x.pow(2).sum() / x.shape[0]             # noqa: E731
     x = torch.randn(6, 3)
