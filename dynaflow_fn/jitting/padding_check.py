@@ -9,6 +9,7 @@ rows). What padding adds, read off the same analysis:
 
 * an output reduced over the batch (a sum over the rows) takes in the padded rows, whatever `out_axes`
   says of it;
+* an output returned whole (`out_axes` None) that reads the batch rows holds the padded ones too;
 * an output that reads no batch row is not padded, so `out_axes` must not cut it; one whose size
   along its out axis does not follow the batch size (traced at two sizes) is refused, since at a
   bucket of that size it would be cut without a word;
@@ -34,7 +35,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from ..errors import InputError, PaddedUpdateError, TraceError
+from ..errors import PaddedUpdateError, TraceError, UnpaddableError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
 from ..transforms.batch_size_reads import size_reads
@@ -78,6 +79,9 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
         elif spec.tensor_index is not None and state is None and axis is not None:
             texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
                          f"to the batch size: give it None in out_axes")
+        elif isinstance(state, Rows) and axis is None:
+            texts.append(f"{spec.path} has the batch rows along axis {state.axis}, but out_axes None returns it as "
+                         f"computed on the padded batch, padded rows included: give it out_axes={state.axis}")
     again = _traced_again(traced_at, rows)
     if isinstance(again, str):
         texts.append(again)
@@ -113,8 +117,8 @@ def _traced_again(traced_at: Callable[[int], Program], rows: int) -> tuple[int, 
 
 def refuse_unpaddable_outputs(program: Program, again: Program, rows: int, again_rows: int, specs: Sequence[Any],
                               axes: Sequence[Any], states: Sequence[Any]) -> None:
-    """Raise InputError for an output that no cutting makes right, seen in `again`, the function traced
-    at `again_rows` rows:
+    """Raise UnpaddableError (an InputError) for an output that no cutting makes right, seen in `again`,
+    the function traced at `again_rows` rows:
 
     * a number computed from the batch size (`x.shape[0]`, `x.shape`): baked in as the bucket's;
     * a tensor that out_axes cuts along an axis whose size does not follow the batch (a KV cache
@@ -131,19 +135,21 @@ def refuse_unpaddable_outputs(program: Program, again: Program, rows: int, again
     for spec in again.outputs:
         seen = numbers.get(spec.path)
         if spec.path in numbers and spec.static_value != seen and seen == seen:      # a NaN differs from itself
-            raise InputError(f"{program.name} returns {spec.path} = {numbers[spec.path]!r} at a batch of {rows} rows and "
-                             f"{spec.static_value!r} at {again_rows}: a number computed from the batch size, baked into "
-                             f"each bucket's plan at the padded size, so a padded call would return the bucket's "
-                             f"value, not the real batch's. Compute it outside the function from the real batch, or "
-                             f"call it without buckets")
+            reason = (f"{program.name} returns {spec.path} = {numbers[spec.path]!r} at a batch of {rows} rows and "
+                      f"{spec.static_value!r} at {again_rows}: a number computed from the batch size, baked into each "
+                      f"bucket's plan at the padded size, so a padded call would return the bucket's value, not the "
+                      f"real batch's")
+            raise UnpaddableError(f"{reason}. Compute it outside the function from the real batch, or call it without "
+                                  f"buckets", reason)
         if spec.path in unproven and spec.tensor_index is not None:
             axis, shape = unproven[spec.path]
             sizes = _size(shape, axis), _size(again_returned[spec.tensor_index].meta["val"].shape, axis)
             if sizes != (rows, again_rows):
-                raise InputError(f"out_axes gives axis {axis} for {spec.path}, but its size along it ({sizes[0]} at a "
-                                 f"batch of {rows}, {sizes[1]} at {again_rows}) does not follow the batch size, so it "
-                                 f"holds no batch rows and cutting it to the real rows would drop real values: give "
-                                 f"it None in out_axes (returned as it is), or the axis that holds its batch rows")
+                reason = (f"out_axes gives axis {axis} for {spec.path}, but its size along it ({sizes[0]} at a batch "
+                          f"of {rows}, {sizes[1]} at {again_rows}) does not follow the batch size, so it holds no "
+                          f"batch rows and cutting it to the real rows would drop real values")
+                raise UnpaddableError(f"{reason}: give it None in out_axes (returned as it is), or the axis that holds "
+                                      f"its batch rows", reason)
 
 
 def _size(shape: Sequence[int], axis: int) -> int | None:

@@ -42,6 +42,9 @@ _ARANGE = torch.ops.aten.arange
 _COUNTS = {"arange": {"end"}}
 """Arguments typed as values that count rows: `arange(b)` numbers the padded batch's rows."""
 
+_SPREAD_OVER = {"linspace": {"steps"}, "logspace": {"steps"}}
+"""Arguments typed as sizes that also set the values: `linspace(0, 1, b)` spaces its values by the count."""
+
 _ROW_POSITIONS = {"select": {"index"}, "select_scatter": {"index"}, "narrow": {"start"}, "slice": {"start", "end"},
                   "slice_scatter": {"start", "end"}}
 """Arguments typed as sizes that name the position of rows: the batch size itself there bounds all
@@ -67,11 +70,16 @@ class SizeReads:
         return [*self.changes, *(text for _, text in self.numbers)]
 
 
-def size_reads(at: Program, again: Program, rows: int, again_rows: int) -> SizeReads:
+def size_reads(at: Program, again: Program, rows: int, again_rows: int, same_layouts: bool = True) -> SizeReads:
     """The function's reads of its batch size that give its rows another value at another batch size,
-    from its traces at `rows` rows (`at`) and at `again_rows` (`again`)."""
+    from its traces at `rows` rows (`at`) and at `again_rows` (`again`). Traces that differ in their ops
+    are another path, where the two were traced on inputs of the same layouts; otherwise (a slice of a
+    later axis, not contiguous, beside a whole tensor) a view may have become a copy, and nothing is
+    said."""
     nodes, others = list(at.graph.nodes), list(again.graph.nodes)
     if len(nodes) != len(others) or any(_differ(node, other) for node, other in zip(nodes, others)):
+        if not same_layouts:
+            return SizeReads()
         first = next((node for node, other in zip(nodes, others) if _differ(node, other)), nodes[-1])
         return SizeReads(changes=(f"its trace at a batch of {rows} rows differs from its trace at {again_rows} (from "
                                   f"{describe(first)} on): it takes another path at another batch size",))
@@ -136,7 +144,8 @@ def _value_reads(node: fx.Node, other: fx.Node, rows: int, again_rows: int) -> I
         for number, number_again in zip(optree.tree_leaves(value), optree.tree_leaves(value_again)):
             if not _is_number(number) or number == number_again:
                 continue
-            if not sized or (positions and (number, number_again) != (rows, again_rows)):
+            if (not sized or argument.name in _SPREAD_OVER.get(name, ())
+                    or (positions and (number, number_again) != (rows, again_rows))):
                 yield number, number_again
 
 

@@ -40,7 +40,7 @@ from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
 from .batch_rows import follow_rows, reads_values
 from .batch_size_reads import SizeReads, size_reads
-from .row_states import Reduced, Rows, State, describe
+from .row_states import UNKNOWN, Reduced, Rows, State, describe
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
                     "else than the unsplit one.")
@@ -96,7 +96,8 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
     reads = SizeReads()
     if full is not None:
         batch = next(leaf.shape[axis] for leaf, axis in zip(leaves, split_axes) if axis is not None)
-        reads = size_reads(program, full, rows, batch)
+        reads = size_reads(program, full, rows, batch,
+                           same_layouts=all(axis in (0, None) for axis in split_axes))   # a narrow of axis 0 keeps its layout
         texts += [f"microbatch: {finding}. Each micro-batch reads its own size there, not the batch's. "
                   f"{_CHANGES_MEANING} Compute such values outside the micro-batched function and pass them in."
                   for finding in reads.changes]
@@ -232,7 +233,7 @@ def merge_warnings(facts: BodyFacts, merges: Sequence[tuple[str, Any, Any]], num
     texts."""
     texts, counted_again, sized, size_texts = [], [], [], {}
     for where, axis, value in merges:
-        if isinstance(value, torch.Tensor) and axis is not None and (
+        if isinstance(value, torch.Tensor) and where not in facts.shared and (
                 text := _merge_warning(where, facts.rows.get(where), axis, value.dim())):
             texts.append(text)
         if axis == "sum" and where in facts.batch_free_terms:
@@ -273,6 +274,10 @@ def _merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None
     """Why merging an output of this state and rank with this `out_axes` leaf differs from the unsplit result."""
     if isinstance(axis, int) and rank:
         axis %= rank
+    if axis is None and (isinstance(state, (Reduced, Rows)) or state is UNKNOWN):
+        return (f"microbatch: {where} reads the batch rows, but out_axes None keeps the first micro-batch's value "
+                f"of it, not the batch's. Give it the axis of its rows to concatenate it, or \"sum\" or \"mean\" "
+                f"to reduce it across micro-batches.")
     if isinstance(state, Reduced) and isinstance(axis, int):
         return (f"microbatch: {where} is reduced over the batch rows (by {state.by}), but out_axes "
                 f"concatenates it along axis {axis}: that gives one reduction per micro-batch, not one over the "

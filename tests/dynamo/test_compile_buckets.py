@@ -90,9 +90,12 @@ class MaskedByIndex(nn.Module):
     lambda x: x * (torch.ones(1, x.shape[0]) @ torch.ones(x.shape[0], 1)),
     lambda x: x.T.reshape(x.shape[0], -1),                              # each row takes parts of several rows
     lambda x: torch.nn.functional.group_norm(x.T[None], 1)[0].T,
+    lambda x: torch.nn.functional.cross_entropy(x, x.argmax(1)),        # a loss over the rows' targets
+    lambda x: torch.cat(torch.split(x, 2), 0) * 2,                      # a graph per count of pieces
 ], ids=["factor", "fill", "last-row", "arange-start", "softmax-over-rows", "minus-batch-mean", "flip",
         "repeat-then-sum", "expand-then-sum", "ones-square-summed", "made-rows-flipped", "made-rows-summed",
-        "made-rows-last", "made-rows-contracted", "transposed-reshape", "group-norm-over-the-batch"])
+        "made-rows-last", "made-rows-contracted", "transposed-reshape", "group-norm-over-the-batch",
+        "cross-entropy", "split-then-cat"])
 def test_a_graph_padding_would_change_is_planned_per_size_after_a_warning(fn):
     backend = df.compile_backend(buckets=(2, 4, 8), progress=False)
     compiled = torch.compile(fn, backend=backend)

@@ -74,7 +74,8 @@ def test_padded_rows_hold_the_pad_values_per_leaf():
     fast = df.jit(fn, buckets=(4,), in_axes=(0, None), out_axes=None, pad_value=({"ids": 0, "slots": 7}, None),
                   backend="eager")
     ids, slots = torch.tensor([3, 4]), torch.tensor([1, 2])
-    got_ids, got_slots, _ = fast({"ids": ids, "slots": slots}, torch.ones(2))
+    with pytest.warns(UserWarning, match=r"has the batch rows along axis 0, but out_axes None"):
+        got_ids, got_slots, _ = fast({"ids": ids, "slots": slots}, torch.ones(2))
     assert got_ids.tolist() == [3, 4, 0, 0] and got_slots.tolist() == [1, 2, 7, 7]   # out_axes=None: as padded
 
 
@@ -170,7 +171,8 @@ def test_pad_values_at_the_edges_of_their_dtype_pad_exactly():
                              (torch.float32, float("-inf"))]:
         fast = df.jit(lambda x: x.clone(), buckets=(4,), in_axes=0, out_axes=None, pad_value=pad_value,
                       backend="eager")
-        got = fast(torch.zeros(3, 2, dtype=dtype))
+        with pytest.warns(UserWarning, match=r"out has the batch rows along axis 0, but out_axes None"):
+            got = fast(torch.zeros(3, 2, dtype=dtype))
         assert got.dtype == dtype and got[3].eq(torch.tensor(pad_value, dtype=dtype)).all()
 
 
@@ -274,6 +276,25 @@ def test_a_function_that_reads_its_batch_size_other_than_as_a_size_warns(fn, mes
     with pytest.warns(UserWarning, match=message):
         got = fast(x)
     assert not torch.equal(got, fn(x))                     # what the warning is about
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda x, y: F.cross_entropy(x, y), r"out is reduced over the batch rows \(by aten.nll_loss_forward\)"),
+    (lambda x, y: x * 2, r"out has the batch rows along axis 0, but out_axes None returns it"),
+], ids=["cross-entropy", "rows"])
+def test_an_output_returned_whole_that_reads_the_batch_rows_warns(fn, message):
+    """Returned as computed on the padded batch, it holds the padded rows' losses or the rows themselves."""
+    fast = df.jit(fn, buckets=(4, 8), in_axes=0, out_axes=None, backend="eager")
+    x, y = torch.randn(5, 4), torch.randint(1, 4, (5,))
+    with pytest.warns(UserWarning, match=message):
+        got = fast(x, y)
+    assert got.shape != fn(x, y).shape or not torch.allclose(got, fn(x, y))
+
+
+def test_linspace_over_the_batch_size_warns():
+    fn = lambda x: x * torch.linspace(0, 1, x.shape[0])[:, None]   # noqa: E731
+    with pytest.warns(UserWarning, match=r"aten\.linspace reads the batch size as a number"):
+        df.jit(fn, buckets=(4, 8), in_axes=0, backend="eager")(torch.randn(5, 3))
 
 
 def test_sizes_that_shape_tensors_or_bound_all_rows_pad_exactly_without_a_warning():

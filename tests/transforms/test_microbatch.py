@@ -257,7 +257,11 @@ def test_outputs_merged_against_their_rows_warn(fn, out_axes, match):
         df.trace(T.microbatch(fn, num=2, out_axes=out_axes), torch.randn(6, 3))
 
 
-@pytest.mark.parametrize("fn, out_axes", [(lambda x: x.reshape(-1) * 2, 0), (lambda x: x.T * 2, -1)])
+@pytest.mark.parametrize("fn, out_axes", [
+    (lambda x: x.reshape(-1) * 2, 0), (lambda x: x.T * 2, -1),
+    (lambda x: nn.functional.cross_entropy(x, x.argmax(1), reduction="none"), 0),
+    (lambda x: nn.functional.cross_entropy(x, x.argmax(1), reduction="sum"), "sum"),
+], ids=["flattened", "transposed", "per-sample-loss", "summed-loss"])
 def test_outputs_merged_along_their_rows_do_not_warn(fn, out_axes, no_microbatch_warnings):
     x = torch.randn(6, 3)
     torch.testing.assert_close(df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x), fn(x))
@@ -416,6 +420,28 @@ def test_an_embedding_bag_whose_offsets_number_the_rows_splits_exactly_without_a
         got = df.jit(T.microbatch(fn, num=3, in_axes=(None, 0)))(params, ids)
     assert _microbatch_warnings(record) == []
     torch.testing.assert_close(got, fn(params, ids))
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.max(0).values, lambda x: nn.functional.cross_entropy(x, x.argmax(1))],
+                         ids=["max-over-rows", "cross-entropy"])
+def test_an_output_that_reads_the_rows_kept_from_the_first_micro_batch_warns(fn):
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match=r"out reads the batch rows, but out_axes None keeps the first micro-batch"):
+        got = df.jit(T.microbatch(fn, num=2, out_axes=None))(x)
+    assert not torch.allclose(got, fn(x))
+
+
+def test_attention_across_the_batch_rows_warns_and_attention_beside_them_does_not():
+    mha = nn.MultiheadAttention(4, 2).eval()               # sequence first: given (rows, 4), the rows are the sequence
+    fn = lambda x: mha(x, x, x, need_weights=False)[0]     # noqa: E731
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"attends across the batch rows"):
+        df.jit(T.microbatch(fn, num=2))(torch.randn(6, 4))
+    x = torch.randn(5, 6, 4)                               # (sequence, batch, 4): split along the batch
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(T.microbatch(fn, num=2, in_axes=1, out_axes=1))(x)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, fn(x))
 
 
 def test_a_sum_divided_by_the_micro_batchs_rows_and_merged_by_mean_is_the_batch_mean_without_a_warning():

@@ -1,0 +1,139 @@
+"""Row rules for neural-network layers: embeddings, convolutions, norms, attention and losses.
+
+Each works on one sample per index of dimension 0 (or the batch and head dimensions, for attention),
+so rows of the batch stay rows there and rows on any other axis are mixed by the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..ir.ops import op_info
+from .row_states import UNKNOWN, Rows, RuleCall, State
+from .tensor_row_rules import pointwise, same_rows
+
+
+def _only_input_at(call: RuleCall, name: str, axes: Sequence[int]) -> Rows | None:
+    """The Rows state of argument `name` if it is the only batch-carrying argument and lies on one of `axes`."""
+    state = call.state(name)
+    carrying = [n for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
+    if not isinstance(state, Rows) or carrying != [call.bound[name]] or state.axis not in axes:
+        return None
+    return state
+
+
+def _embedding(call: RuleCall) -> State:
+    """Row `b` of the indices looks up row `b` of the result; the table reads no batch row."""
+    state = _only_input_at(call, "indices", range(call.rank(call.bound["indices"])))
+    return call.result(UNKNOWN if state is None else state)
+
+
+def _embedding_backward(call: RuleCall) -> State:
+    """The gradient of an embedding table sums the rows of the batch."""
+    return call.result(call.reduced())
+
+
+def _convolution(call: RuleCall) -> State:
+    """Convolves each sample (dimension 0) over its channels and positions: batch rows on any other
+    axis are mixed by the kernel or its window."""
+    return _per_sample(call, "convolves")
+
+
+def _per_sample(call: RuleCall, verb: str) -> State:
+    """An op that computes each sample (dimension 0 of `input`) from all of that sample's other axes."""
+    state = _only_input_at(call, "input", range(call.rank(call.bound["input"])))
+    if state is None:
+        return call.result(UNKNOWN)
+    if state.axis != 0:
+        return call.report(f"{verb} across the batch axis (axis {state.axis} of its input), so every row reads "
+                           f"other rows")
+    return call.result(state if state == Rows(0) else UNKNOWN)
+
+
+def _layer_norm(call: RuleCall) -> State:
+    """Normalizes over the last `len(normalized_shape)` dimensions, per row of the others."""
+    state = _only_input_at(call, "input", range(call.rank(call.bound["input"])))
+    if state is None:
+        return call.result(UNKNOWN)
+    if state.axis >= call.rank(call.bound["input"]) - len(call.bound["normalized_shape"]):
+        return call.report("normalizes across the batch axis, so every row reads the other rows")
+    return call.result(state)
+
+
+def _group_norm(call: RuleCall) -> State:
+    """Normalizes each sample (dimension 0) over its channel groups and positions."""
+    return _per_sample(call, "normalizes")
+
+
+def _batch_norm(call: RuleCall) -> State:
+    """In train mode, normalizes with the mean and variance over every dimension but the channels (1)."""
+    state = _only_input_at(call, "input", range(call.rank(call.bound["input"])))
+    if state is None:
+        return call.result(UNKNOWN)
+    default = op_info(call.node.target).packet != "aten._native_batch_norm_legit_no_training"
+    training = call.bound.get("training", default)
+    if training and state.axis != 1:
+        return call.report("is batch norm in train mode: it normalizes with the mean and variance of the batch, "
+                           "so every row reads the other rows")
+    if training:
+        return call.result(UNKNOWN)
+    value = call.node.meta["val"]
+    return tuple(state if i == 0 else None for i in range(len(value))) if isinstance(value, (tuple, list)) else state
+
+
+def _attention(call: RuleCall) -> State:
+    """Scaled dot-product attention over [batch, heads, sequence, dim]: the batch and head dimensions
+    are independent, so rows on dimension 0 or 1 of every operand stay rows of the result. Rows on the
+    sequence dimension (nn.MultiheadAttention given the batch as its sequence) attend to each other."""
+    states = [call.flow.states[n] for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
+    state = same_rows(states)
+    ranks = {call.rank(n) for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)}
+    if state is not UNKNOWN and state.axis == 2 and ranks == {4}:
+        return call.report("attends across the batch rows (they lie along its sequence axis), so every row reads "
+                           "the other rows")
+    if state is UNKNOWN or state.axis not in (0, 1) or ranks != {4}:
+        return call.result(UNKNOWN)
+    value = call.node.meta["val"]
+    results = value if isinstance(value, (tuple, list)) else (value,)
+    per_result = tuple(state if isinstance(v, torch.Tensor) and v.dim() >= 2 else None for v in results)
+    return per_result if isinstance(value, (tuple, list)) else per_result[0]
+
+
+def _loss(call: RuleCall) -> State:
+    """mse_loss, l1_loss, ...: elementwise over (self, target), then reduced unless reduction is "none" (0)."""
+    if call.bound.get("reduction", 1) != 0:
+        return call.result(call.reduced())
+    return pointwise(call)
+
+
+def _nll_loss(call: RuleCall) -> State:
+    """nll_loss over scores [N, C, ...] and targets [N, ...] (cross-entropy's second half): one loss per
+    sample, then reduced unless reduction is "none" (0). It also returns the weights' total, a scalar."""
+    if call.bound.get("reduction", 1) != 0:
+        return call.result(call.reduced())
+    if {call.state("self"), call.state("target")} - {None} == {Rows(0)}:
+        return Rows(0), None
+    return call.result(UNKNOWN)
+
+
+LAYER_RULES: dict[str, Callable[[RuleCall], State]] = {
+    "aten.mse_loss": _loss, "aten.l1_loss": _loss, "aten.smooth_l1_loss": _loss, "aten.huber_loss": _loss,
+    "aten.soft_margin_loss": _loss, "aten.binary_cross_entropy": _loss,
+    "aten.binary_cross_entropy_with_logits": _loss, "aten.nll_loss_forward": _nll_loss,
+    "aten.nll_loss2d_forward": _nll_loss, "aten.mse_loss_backward": pointwise,
+    "aten.smooth_l1_loss_backward": pointwise, "aten.huber_loss_backward": pointwise,
+    "aten.soft_margin_loss_backward": pointwise, "aten.binary_cross_entropy_backward": pointwise,
+    "aten.embedding": _embedding,
+    "aten.embedding_dense_backward": _embedding_backward, "aten.convolution": _convolution,
+    "aten.native_layer_norm": _layer_norm, "aten.native_group_norm": _group_norm,
+    "aten.native_batch_norm": _batch_norm, "aten._native_batch_norm_legit": _batch_norm,
+    "aten._native_batch_norm_legit_functional": _batch_norm,
+    "aten._native_batch_norm_legit_no_training": _batch_norm, "aten.cudnn_batch_norm": _batch_norm,
+    "aten.miopen_batch_norm": _batch_norm, "aten._scaled_dot_product_flash_attention_for_cpu": _attention,
+    "aten._scaled_dot_product_flash_attention": _attention,
+    "aten._scaled_dot_product_efficient_attention": _attention,
+    "aten._scaled_dot_product_cudnn_attention": _attention, "aten._scaled_dot_product_attention_math": _attention,
+}
+"""The layer rules, by the op's packet."""

@@ -1,0 +1,246 @@
+"""Row rules for tensor ops: pointwise math, views, reductions, joins and matrix products.
+
+Each rule maps a `RuleCall` (an op whose inputs carry the batch rows) to the state of its result;
+`row_rules` finds them by the op's packet. The two helpers `same_rows` and `moved` and the fallback
+rules `pointwise` and `reduction` are shared with `layer_row_rules`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State
+
+
+def same_rows(states: Sequence[State]) -> State:
+    """The one Rows state all of `states` agree on, else UNKNOWN."""
+    first = states[0]
+    return first if all(s == first for s in states[1:]) else UNKNOWN
+
+
+def moved(state: Rows, axis: int) -> Rows:
+    """`state` with its rows on `axis` instead."""
+    return Rows(axis, state.outer, state.inner)
+
+
+def pointwise(call: RuleCall) -> State:
+    """Elementwise with broadcasting: inputs align at their last dimension."""
+    rank = call.rank()
+    aligned = [moved(s, s.axis + rank - call.rank(n)) for n in call.node.all_input_nodes
+               if isinstance(s := call.flow.states[n], Rows)]
+    return call.result(same_rows(aligned))
+
+
+def _copy(call: RuleCall) -> State:
+    """`copy(self, src)`: src's values broadcast into self's shape."""
+    src = call.state("src")
+    if not isinstance(src, Rows):
+        return call.result(src)
+    return call.result(moved(src, src.axis + call.rank() - call.rank(call.bound["src"])))
+
+
+def reduction(call: RuleCall) -> State:
+    """sum, mean, amax, ... over `dim` (all dimensions if None): the batch axis among them mixes the rows."""
+    state = call.state("self")
+    if not isinstance(state, Rows) or len(call.node.all_input_nodes) != 1:
+        return call.result(UNKNOWN)
+    rank = call.rank(call.bound["self"])
+    dims = call.dims("dim", rank)
+    dims = list(range(rank)) if dims is None else dims
+    if state.axis in dims:
+        return call.result(call.reduced())
+    keep = call.bound.get("keepdim", False)
+    return call.result(moved(state, state.axis if keep else state.axis - sum(d < state.axis for d in dims)))
+
+
+def _along_dim(call: RuleCall) -> State:
+    """softmax, cumsum, sort, ...: each output element reads a whole line along `dim`."""
+    node_inputs = call.node.all_input_nodes
+    states = [call.flow.states[n] for n in node_inputs]
+    if any(not isinstance(s, Rows) for s in states) or any(call.rank(n) != call.rank() for n in node_inputs):
+        return call.result(UNKNOWN)
+    state = same_rows(states)
+    if state is UNKNOWN:
+        return call.result(UNKNOWN)
+    if call.bound.get("dim", -1) % max(call.rank(), 1) == state.axis:
+        return call.report("works along the batch axis, so every row reads the other rows")
+    return call.result(state)
+
+
+def _view(call: RuleCall) -> State:
+    """A view or reshape keeps the element order; find the output axis the batch rows land on. Where
+    no axis holds them (`x.T.reshape(batch, -1)`: each row of the result takes parts of several rows),
+    the rows are mixed."""
+    state = call.state("self")
+    in_shape, out_shape = call.shape(call.bound["self"]), call.shape()
+    if 0 in in_shape or 0 in out_shape:
+        return call.result(UNKNOWN)
+    mapped = _view_axis(in_shape, out_shape, state, call.rows)
+    if mapped is None:
+        return call.report("reshapes the batch rows across other axes, so a row of the result holds parts of "
+                           "several rows of the batch")
+    return call.result(mapped)
+
+
+def _view_axis(in_shape: Sequence[int], out_shape: Sequence[int], state: Rows, rows: int) -> Rows | None:
+    """In row-major order, row `b` starts `step` elements after row `b - 1` and the rows span
+    `rows * step` elements; the output axis whose elements cover that span holds them."""
+    step = state.inner * math.prod(in_shape[state.axis + 1:])
+    span = step * rows
+    stride = 1
+    for axis in reversed(range(len(out_shape))):
+        low, high = stride, stride * out_shape[axis]
+        if low <= step and span <= high and step % low == 0 and high % span == 0:
+            inner = step // low
+            return Rows(axis, out_shape[axis] // (rows * inner), inner)
+        stride = high
+    return None
+
+
+def _expand(call: RuleCall) -> State:
+    state = call.state("self")
+    return call.result(moved(state, state.axis + call.rank() - call.rank(call.bound["self"])))
+
+
+def _permute(call: RuleCall) -> State:
+    state = call.state("self")
+    dims = [d % call.rank() for d in call.bound["dims"]]
+    return call.result(moved(state, dims.index(state.axis)))
+
+
+def _transpose(call: RuleCall) -> State:
+    state = call.state("self")
+    rank = max(call.rank(), 1)
+    first, second = call.bound["dim0"] % rank, call.bound["dim1"] % rank
+    swap = {first: second, second: first}
+    return call.result(moved(state, swap.get(state.axis, state.axis)))
+
+
+def _t(call: RuleCall) -> State:
+    state = call.state("self")
+    return call.result(moved(state, 1 - state.axis) if call.rank() == 2 else state)
+
+
+def _select(call: RuleCall) -> State:
+    state = call.state("self")
+    dim = call.bound["dim"] % call.rank(call.bound["self"])
+    if dim == state.axis:
+        return call.result(call.reduced())
+    return call.result(moved(state, state.axis - (dim < state.axis)))
+
+
+def _slice(call: RuleCall) -> State:
+    state = call.state("self")
+    dim = call.bound.get("dim", 0) % call.rank()
+    if dim == state.axis and call.shape()[dim] != call.shape(call.bound["self"])[dim]:
+        return call.result(call.reduced())
+    return call.result(state)
+
+
+def _cat(call: RuleCall) -> State:
+    tensors = call.bound["tensors"]
+    dim = call.bound.get("dim", 0) % call.rank()
+    states = [call.flow.states[t] for t in tensors if isinstance(call.flow.states[t], Rows)]
+    state = same_rows(states)
+    if state is UNKNOWN or state.axis == dim or any(call.rank(t) != call.rank() for t in tensors):
+        return call.result(UNKNOWN)
+    return call.result(state)
+
+
+def _stack(call: RuleCall) -> State:
+    states = [call.flow.states[t] for t in call.bound["tensors"] if isinstance(call.flow.states[t], Rows)]
+    state = same_rows(states)
+    if state is UNKNOWN:
+        return call.result(UNKNOWN)
+    dim = call.bound.get("dim", 0) % call.rank()
+    return call.result(moved(state, state.axis + (dim <= state.axis)))
+
+
+def _split(call: RuleCall) -> State:
+    state = call.state("self")
+    dim = call.bound.get("dim", 0) % call.rank(call.bound["self"])
+    return call.result(UNKNOWN if dim == state.axis else state)
+
+
+def _unbind(call: RuleCall) -> State:
+    state = call.state("self")
+    dim = call.bound.get("dim", 0) % call.rank(call.bound["self"])
+    return call.result(UNKNOWN if dim == state.axis else moved(state, state.axis - (dim < state.axis)))
+
+
+def _matmul(call: RuleCall, first: str, second: str, batched: bool) -> State:
+    """`a @ b` for matrices ([i, k] @ [k, j]) or batches of them ([n, i, k] @ [n, k, j]): the shared
+    dimension n, a's rows i and b's columns j carry rows through; the summed dimension k mixes them."""
+    offset = 1 if batched else 0
+    roles = []
+    for name, kept in ((first, offset), (second, offset + 1)):
+        state = call.state(name)
+        if isinstance(state, Rows):
+            role = "shared" if batched and state.axis == 0 else "kept" if state.axis == kept else "summed"
+            roles.append((state, role))
+    if not roles:
+        return None
+    if len(roles) == 1:
+        state, role = roles[0]
+        return call.reduced() if role == "summed" else state
+    (a, a_role), (b, b_role) = roles
+    if a_role == b_role == "shared":
+        return same_rows([a, b])
+    if a_role == b_role == "summed":
+        return call.reduced() if a == moved(b, a.axis) else UNKNOWN
+    return call.report("multiplies rows of the batch with other rows of the batch (a matrix product of two "
+                       "batch operands)")
+
+
+def _with_bias(call: RuleCall, product: State, rank: int) -> State:
+    """`bias + a @ b` (addmm, baddbmm): the product's state broadcast with the bias's."""
+    bias = call.state("self")
+    if not isinstance(bias, Rows) or product is UNKNOWN:
+        return product
+    if isinstance(product, Reduced):
+        return call.report(f"combines a value mixed across the batch rows (by {product.by}) with "
+                           f"per-row data")
+    bias = moved(bias, bias.axis + rank - call.rank(call.bound["self"]))
+    return bias if product is None else same_rows([product, bias])
+
+
+def _mm(call: RuleCall) -> State:
+    return _matmul(call, "self", "mat2", batched=False)
+
+
+def _addmm(call: RuleCall) -> State:
+    return _with_bias(call, _matmul(call, "mat1", "mat2", batched=False), 2)
+
+
+def _bmm(call: RuleCall) -> State:
+    return _matmul(call, "self", "mat2", batched=True)
+
+
+def _baddbmm(call: RuleCall) -> State:
+    return _with_bias(call, _matmul(call, "batch1", "batch2", batched=True), 3)
+
+
+def _same_as(name: str) -> Callable[[RuleCall], State]:
+    """Ops whose results carry the rows of argument `name` unchanged (same shape)."""
+    return lambda call: call.result(call.state(name))
+
+
+TENSOR_RULES: dict[str, Callable[[RuleCall], State]] = {
+    "aten._to_copy": _same_as("self"), "aten.detach": _same_as("self"), "aten.alias": _same_as("self"),
+    "aten.lift_fresh_copy": _same_as("self"), "aten.native_dropout": _same_as("input"), "aten.copy": _copy,
+    "_c10d_functional.all_reduce": _same_as("input"), "_c10d_functional.wait_tensor": _same_as("tensor"),
+    "aten.view": _view, "aten._unsafe_view": _view, "aten.reshape": _view, "aten.squeeze": _view,
+    "aten.unsqueeze": _view, "aten.flatten": _view, "aten.unflatten": _view, "aten.expand": _expand,
+    "aten.permute": _permute, "aten.transpose": _transpose, "aten.t": _t, "aten.select": _select,
+    "aten.slice": _slice, "aten.cat": _cat, "aten.stack": _stack, "aten.split": _split,
+    "aten.split_with_sizes": _split, "aten.unsafe_split": _split, "aten.unsafe_split_with_sizes": _split,
+    "aten.chunk": _split, "aten.unbind": _unbind, "aten._softmax": _along_dim, "aten._log_softmax": _along_dim,
+    "aten._softmax_backward_data": _along_dim, "aten._log_softmax_backward_data": _along_dim,
+    "aten.cumsum": _along_dim, "aten.cumprod": _along_dim, "aten.logcumsumexp": _along_dim, "aten.sort": _along_dim,
+    "aten.argsort": _along_dim, "aten.topk": _along_dim, "aten.cummax": _along_dim, "aten.cummin": _along_dim,
+    "aten.kthvalue": reduction, "aten.median": reduction, "aten.nanmedian": reduction, "aten.mode": reduction,
+    "aten.mm": _mm, "aten.addmm": _addmm, "aten.bmm": _bmm,
+    "aten.baddbmm": _baddbmm,
+}
+"""The tensor-op rules, by the op's packet."""
