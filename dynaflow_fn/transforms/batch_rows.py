@@ -7,8 +7,9 @@ known axis, and gives every value one of these states:
 
 - `None`: the value reads no row of the batch (parameters, constants, masks built from shapes);
 - `Rows(axis)`: row `b` of the batch lies along `axis` and depends only on row `b` of the inputs;
-- `Reduced(by)`: the value mixes rows of the batch, first at op `by` (a reduction over the batch
-  axis, a matrix product contracting it, a pick of one row);
+- `Reduced(by, not_a_sum)`: the value mixes rows of the batch, first at op `by` (a reduction over
+  the batch axis, a matrix product contracting it, a pick of one row), and is a sum or mean of one
+  term per row unless `not_a_sum` names the op that made it otherwise (a max, a square root);
 - `UNKNOWN`: an op the analysis does not model read batch data; nothing downstream is judged.
 
 Pointwise ops broadcast the axis, views and permutes move it, reductions over other axes keep it.
@@ -32,7 +33,7 @@ from ..compat import OpOverload
 from ..errors import InternalError
 from ..ir import ops
 from .row_rules import reads_only_shapes, rule_for
-from .row_states import UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, each_result, record_finding
+from .row_states import UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, describe, each_result, record_finding
 
 
 def follow_rows(graph: fx.Graph, split_axes: dict[str, int], rows: int) -> RowFlow:
@@ -76,7 +77,7 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
     carrying = [state for state in inputs if isinstance(state, Rows)]
     reduced = [state for state in inputs if isinstance(state, Reduced)]
     if not carrying:
-        return each_result(node, reduced[0] if reduced else None)
+        return each_result(node, _carried(node, flow, reduced) if reduced else None)
     rule = rule_for(target)
     if any(isinstance(state, tuple) for state in inputs) or (rule is None and reduced):
         return each_result(node, UNKNOWN)
@@ -90,6 +91,39 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
         return rule(RuleCall(node, bound, flow, rows))
     except (KeyError, IndexError, TypeError, ValueError):    # arguments not as the rule expects them
         return each_result(node, UNKNOWN)
+
+
+def _carried(node: fx.Node, flow: RowFlow, reduced: list[Reduced]) -> Reduced:
+    """A value computed from values mixed across the rows, and from no rows themselves, mixes them
+    too. It stays a sum of one term per row only through ops linear in such sums: views and copies,
+    sums of them, and products or quotients of one of them by values that read no row."""
+    broken = next((state.not_a_sum for state in reduced if state.not_a_sum), None)
+    if broken is None and not _linear_in_sums(node, flow):
+        broken = describe(node)
+    return Reduced(reduced[0].by, broken)
+
+
+def _linear_in_sums(node: fx.Node, flow: RowFlow) -> bool:
+    packet = ops.op_info(node.target).packet
+    if packet in _LINEAR:
+        return True
+    if packet not in _SCALING:
+        return False
+    mixed = [n for n in reads_values(node) if isinstance(flow.states[n], Reduced)]
+    return len(mixed) == 1 and (packet != "aten.div" or node.args[0] is mixed[0])
+
+
+_LINEAR = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.squeeze", "aten.unsqueeze", "aten.flatten",
+    "aten.unflatten", "aten.expand", "aten.permute", "aten.transpose", "aten.t", "aten.clone", "aten._to_copy",
+    "aten.detach", "aten.alias", "aten.copy", "aten.lift_fresh_copy", "aten.select", "aten.slice", "aten.cat",
+    "aten.stack", "aten.split", "aten.split_with_sizes", "aten.unbind", "aten.neg", "aten.add", "aten.sub",
+    "aten.sum", "aten.mean",
+})
+"""Ops whose result is linear in their inputs: a sum of per-row terms stays one through them."""
+
+_SCALING = frozenset({"aten.mul", "aten.div", "aten.mm", "aten.bmm", "aten.mv", "aten.dot", "aten.addmm"})
+"""Ops linear in each input apart: a sum stays one when it is their only input that mixes the rows."""
 
 
 def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:

@@ -32,7 +32,7 @@ def _embedding(call: RuleCall) -> State:
 
 def _embedding_backward(call: RuleCall) -> State:
     """The gradient of an embedding table sums the rows of the batch."""
-    return call.result(call.reduced())
+    return call.result(call.reduced(sum_of_rows=True))
 
 
 def _convolution(call: RuleCall) -> State:
@@ -104,7 +104,7 @@ def _attention(call: RuleCall) -> State:
 def _loss(call: RuleCall) -> State:
     """mse_loss, l1_loss, ...: elementwise over (self, target), then reduced unless reduction is "none" (0)."""
     if call.bound.get("reduction", 1) != 0:
-        return call.result(call.reduced())
+        return call.result(call.reduced(sum_of_rows=True))
     return pointwise(call)
 
 
@@ -112,7 +112,7 @@ def _nll_loss(call: RuleCall) -> State:
     """nll_loss over scores [N, C, ...] and targets [N, ...] (cross-entropy's second half): one loss per
     sample, then reduced unless reduction is "none" (0). It also returns the weights' total, a scalar."""
     if call.bound.get("reduction", 1) != 0:
-        return call.result(call.reduced())
+        return call.result(call.reduced(sum_of_rows=True))
     if {call.state("self"), call.state("target")} - {None} == {Rows(0)}:
         return Rows(0), None
     return call.result(UNKNOWN)

@@ -278,6 +278,13 @@ def _merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None
         return (f"microbatch: {where} reads the batch rows, but out_axes None keeps the first micro-batch's value "
                 f"of it, not the batch's. Give it the axis of its rows to concatenate it, or \"sum\" or \"mean\" "
                 f"to reduce it across micro-batches.")
+    if isinstance(state, Reduced) and axis in ("sum", "mean") and state.not_a_sum:
+        how = (f"by {state.by}, which is not a sum or mean over them" if state.not_a_sum == state.by else
+               f"by {state.by}, then passed through {state.not_a_sum}, which is not linear in that sum")
+        return (f"microbatch: {where} is reduced over the batch rows {how}, so out_axes \"{axis}\", which "
+                f"{'adds up' if axis == 'sum' else 'averages'} the micro-batches' values, does not give the batch's "
+                f"value. Return the sums or means it is made of (merged by \"sum\" or \"mean\") and finish it "
+                f"outside the micro-batched function.")
     if isinstance(state, Reduced) and isinstance(axis, int):
         return (f"microbatch: {where} is reduced over the batch rows (by {state.by}), but out_axes "
                 f"concatenates it along axis {axis}: that gives one reduction per micro-batch, not one over the "

@@ -31,9 +31,14 @@ class Rows:
 
 @dataclass(frozen=True)
 class Reduced:
-    """The value mixes rows of the batch; `by` names the op where they were first mixed (see `describe`)."""
+    """The value mixes rows of the batch; `by` names the op where they were first mixed (see `describe`).
+
+    `not_a_sum` names the first op that made it other than a sum or mean of one term per row (a max
+    or a variance over the rows, a square root of a sum), or is None. Only such sums split: the
+    micro-batches' sums add up to the batch's, and their means, weighted by rows, average to it."""
 
     by: str
+    not_a_sum: str | None = None
 
 
 class _Unknown:
@@ -103,9 +108,11 @@ class RuleCall:
     def result(self, state: State) -> State:
         return each_result(self.node, state)
 
-    def reduced(self) -> Reduced:
-        """The state of a value this node makes by mixing rows of the batch."""
-        return Reduced(describe(self.node))
+    def reduced(self, sum_of_rows: bool) -> Reduced:
+        """The state of a value this node makes by mixing rows of the batch: a sum or mean of one
+        term per row (`sum_of_rows`), or not."""
+        by = describe(self.node)
+        return Reduced(by, None if sum_of_rows else by)
 
     def report(self, reason: str) -> State:
         return record_finding(self.node, self.flow, reason)

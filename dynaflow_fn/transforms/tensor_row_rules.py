@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from ..ir.ops import op_info
 from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State
 
 
@@ -49,9 +50,13 @@ def reduction(call: RuleCall) -> State:
     dims = call.dims("dim", rank)
     dims = list(range(rank)) if dims is None else dims
     if state.axis in dims:
-        return call.result(call.reduced())
+        return call.result(call.reduced(sum_of_rows=op_info(call.node.target).packet in _SUMS))
     keep = call.bound.get("keepdim", False)
     return call.result(moved(state, state.axis if keep else state.axis - sum(d < state.axis for d in dims)))
+
+
+_SUMS = frozenset({"aten.sum", "aten.mean", "aten.nansum"})
+"""Reductions whose value over the batch is a sum or mean of one term per row."""
 
 
 def _along_dim(call: RuleCall) -> State:
@@ -126,7 +131,7 @@ def _select(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound["dim"] % call.rank(call.bound["self"])
     if dim == state.axis:
-        return call.result(call.reduced())
+        return call.result(call.reduced(sum_of_rows=False))          # one row picked
     return call.result(moved(state, state.axis - (dim < state.axis)))
 
 
@@ -134,7 +139,7 @@ def _slice(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank()
     if dim == state.axis and call.shape()[dim] != call.shape(call.bound["self"])[dim]:
-        return call.result(call.reduced())
+        return call.result(call.reduced(sum_of_rows=False))          # some rows picked
     return call.result(state)
 
 
@@ -183,12 +188,12 @@ def _matmul(call: RuleCall, first: str, second: str, batched: bool) -> State:
         return None
     if len(roles) == 1:
         state, role = roles[0]
-        return call.reduced() if role == "summed" else state
+        return call.reduced(sum_of_rows=True) if role == "summed" else state
     (a, a_role), (b, b_role) = roles
     if a_role == b_role == "shared":
         return same_rows([a, b])
     if a_role == b_role == "summed":
-        return call.reduced() if a == moved(b, a.axis) else UNKNOWN
+        return call.reduced(sum_of_rows=True) if a == moved(b, a.axis) else UNKNOWN
     return call.report("multiplies rows of the batch with other rows of the batch (a matrix product of two "
                        "batch operands)")
 

@@ -431,6 +431,31 @@ def test_an_output_that_reads_the_rows_kept_from_the_first_micro_batch_warns(fn)
     assert not torch.allclose(got, fn(x))
 
 
+@pytest.mark.parametrize("fn, out_axes, match", [
+    (lambda x: x.var(0), "mean", r"by aten\.var\.correction, which is not a sum or mean over them"),
+    (lambda x: x.max(0).values, "mean", r"by aten\.max\.dim, which is not a sum or mean"),
+    (lambda x: x[0] * 2, "mean", r"by aten\.select\.int, which is not a sum or mean"),
+    (lambda x: x.norm(), "sum", r"by aten\.linalg_vector_norm, which is not a sum or mean"),
+    (lambda x: x.pow(2).sum().sqrt(), "sum", r"by aten\.sum, then passed through aten\.sqrt"),
+    (lambda x: x.sum() / (x > 0).sum(), "mean", r"then passed through aten\.div\.Tensor, which is not linear"),
+], ids=["variance", "max", "first-row", "norm", "root-of-sum", "ratio-of-sums"])
+def test_a_reduction_other_than_a_sum_of_rows_merged_by_sum_or_mean_warns(fn, out_axes, match):
+    """The micro-batches' variances, maxima or norms do not add up, nor average, to the batch's."""
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=match):
+        got = df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x)
+    assert not torch.allclose(got, fn(x))
+
+
+@pytest.mark.parametrize("fn, out_axes", [
+    (lambda x: x.mean(0) * 2 + 1, "mean"), (lambda x: x.T @ x, "sum"),
+    (lambda x: (x.sum(0) - x.abs().sum(0) / 3).view(3, 1).T, "sum"),
+], ids=["scaled-mean", "gram", "difference-of-sums"])
+def test_sums_and_means_through_linear_ops_merge_exactly_without_a_warning(fn, out_axes, no_microbatch_warnings):
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x), fn(x))
+
+
 def test_attention_across_the_batch_rows_warns_and_attention_beside_them_does_not():
     mha = nn.MultiheadAttention(4, 2).eval()               # sequence first: given (rows, 4), the rows are the sequence
     fn = lambda x: mha(x, x, x, need_weights=False)[0]     # noqa: E731
