@@ -115,6 +115,15 @@ class MetaKernelRejection(RuntimeError):
         self.confirmed = confirmed
 
 
+class OutsideValueRead(RuntimeError):
+    """A traced function read the value of a tensor it does not receive (a module buffer, a closed-over
+    tensor) as a Python value; the tracer words it as a TraceError naming the user's line."""
+
+    def __init__(self, op: object):
+        super().__init__(f"{op} reads the value of a tensor the traced function does not receive")
+        self.op = op
+
+
 STRICT_ENV = "DYNAFLOW_STRICT"
 
 

@@ -57,6 +57,7 @@ from .tracing import (
     outside_current_trace,
     quiet_meta_failures,
     refusing_generator_arguments,
+    refusing_value_reads_of_outside_tensors,
 )
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
     "resolve_process_group", "sm_carveout", "sm_carveout_supported",
     "any_autocast_enabled", "torch_function_modes", "matmul_setting_readers", "no_backward_node",
     "data_ptrs_equal", "foreach_copy", "dynamo_input_origin", "dynamo_input_name", "marked_static_address", "clear_cublas_workspaces", "current_stream_id", "stream_from_id", "FakeTensorModeWithFallback",
-    "quiet_meta_failures", "refusing_generator_arguments", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
+    "quiet_meta_failures", "refusing_generator_arguments", "refusing_value_reads_of_outside_tensors", "outside_current_trace", "fake_mode_of", "LeafCheck", "leaf_checker",
     "observe_module_changes", "dispatch_mode_depth", "recording_mode_active", "functorch_interpreter", "in_backward",
 ]
 

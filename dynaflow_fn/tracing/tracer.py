@@ -15,37 +15,28 @@ Model code that branches on tensor values cannot be traced; the error points at 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
 import threading
-import traceback
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
 from torch import fx
 
 from ..compat import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
     FakeTensorMode,
     FakeTensorModeWithFallback,
-    UnsupportedOperatorException,
     current_trace_graph,
     fx_tracing_flag_cleared,
     make_fx,
     outside_current_trace,
     quiet_meta_failures,
 )
-from ..errors import (DynaflowError, InputError, MetaKernelRejection, TraceError, is_installed_package_file,
-                      is_library_file)
+from ..errors import InputError, TraceError
 from ..ir import ops, tree
 from ..ir.analyses import eliminate_dead_code
-from ..ir.formatting import op_name
 from ..ir.program import NodeInfo, Program
 from ..ir.signature import ClosedOver, InputSpec, OutputSpec, Signature, device_of
 from ..ir.tree import TensorSpec
@@ -57,6 +48,7 @@ from .layout_writes import refuse_layout_writes
 from .mode_reads import recording_mode_reads, shadows_flag
 from .regions import ScopeRecorder, last_node, nodes_after, recording
 from .reseeding import refusing_own_generators, refusing_reseeds
+from .trace_errors import refusing_outside_value_reads, translating_errors
 
 _TRACING = threading.RLock()
 """make_fx and FX keep process-wide state while they trace (the patcher, the fx-tracing flag), so
@@ -129,7 +121,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     name = getattr(fn, "__name__", "fn")
     flat_body = _flat_body(body, leaves, in_tree, kinds.tensor_positions, observed, name)
     called = lambda: observed["recorder"].called_modules() if "recorder" in observed else ()   # noqa: E731
-    with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), _translate_errors(name), \
+    with _TRACING, outside_current_trace(), torch.no_grad(), quiet_meta_failures(), translating_errors(name), \
             refusing_reseeds(name):
         with refusing_attribute_rebinds(fn, name, called), fake_mode.recording_results() as produced:
             traced = make_fx(flat_body, tracing_mode="fake")(*fakes)
@@ -202,7 +194,8 @@ def _flat_body(body: Callable[..., Any], leaves: Sequence[Any], in_tree: optree.
         recorder = ScopeRecorder(current_trace_graph())
         observed["recorder"] = recorder
         with recording(recorder), recording_mode_reads() as mode_reads, fx_tracing_flag_cleared(), \
-                recording_grad_modes(recorder.graph) as observed["grad_recorded"], refusing_own_generators(name):
+                recording_grad_modes(recorder.graph) as observed["grad_recorded"], refusing_own_generators(name), \
+                refusing_outside_value_reads():
             result = body(*call_args, **call_kwargs)
         observed["mode_reads"] = dict(mode_reads)
         out_paths, out_leaves, out_tree = tree.flatten(result)
@@ -299,101 +292,3 @@ def _functionalize(traced: fx.GraphModule, scopes: dict[fx.Node, tuple],
     with torch.no_grad():
         functional = make_fx(torch.func.functionalize(carrier.run, remove="mutations"), tracing_mode="fake")(*fakes)
     return functional, carrier.carried
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def user_frame(tb: Any) -> traceback.FrameSummary | None:
-    """The line of the traced function's code where the error arose: the innermost frame inside the
-    trace (after `flat_body`; the caller's own line that started the trace is not the culprit) that
-    belongs to neither the standard library, torch nor dynaflow_fn, preferring the user's own files
-    to installed packages (a line of theirs that calls transformers, over transformers' own)."""
-    frames = traceback.extract_tb(tb)
-    entry = next((i for i in reversed(range(len(frames))) if frames[i].name == "flat_body"
-                  and frames[i].filename == __file__), None)
-    inside = [f for f in frames[entry + 1:] if not is_library_file(f.filename) and not f.filename.startswith("<")] \
-        if entry is not None else []
-    own = [f for f in inside if not is_installed_package_file(f.filename)]
-    return (own or inside or [None])[-1]
-
-
-def _where(error: BaseException) -> str:
-    frame = user_frame(error.__traceback__)
-    if frame is None:
-        return "in the traced function"
-    return f"at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`"
-
-
-def _raised_inside_torch(error: BaseException) -> bool:
-    """Whether the innermost frame of the error is torch's (a kernel or check), not the function's own
-    `raise` (which reaches the caller unchanged) nor dynaflow_fn's."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
-
-
-def _first_lines(error: BaseException, count: int = 3) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return " ".join(lines[:count]) + (" ..." if len(lines) > count else "")
-
-
-_HIGHER_ORDER_WITHOUT_RULE = re.compile(r"no rule registered for HigherOrderOperator (\w+)")   # torch's words
-
-
-def _hint(error: BaseException) -> str:
-    text = str(error)
-    if "numpy" in text or "data pointer" in text or "data_ptr" in text:
-        return (" A traced function runs on fake tensors, which hold no data: keep the computation in torch "
-                "ops, or move the code that needs values (numpy, printing, I/O) out of the jitted function.")
-    return ""
-
-
-def _traced_error(message: str, original: BaseException) -> TraceError:
-    """A TraceError that replaces `original` in the traceback (its own is long and names torch's
-    internals); `original` stays reachable for debugging."""
-    error = TraceError(message)
-    error.original = original
-    return error
-
-
-@contextlib.contextmanager
-def _translate_errors(fn_name: str) -> Iterator[None]:
-    """Turn failures inside torch while tracing into TraceErrors that point at the user's line and
-    say what to do. Exceptions the function raises itself, and dynaflow_fn's own errors, pass unchanged."""
-    try:
-        yield
-    except DynaflowError:
-        raise
-    except DynamicOutputShapeException as error:
-        raise _traced_error(
-            f"{fn_name} calls {error.func} {_where(error)}, whose output shape depends on tensor data (boolean-mask "
-            f"indexing, nonzero, unique, ...). A Plan has fixed shapes: keep the shape static with torch.where, "
-            f"masked_fill or a fixed-size top-k instead.", error) from None
-    except DataDependentOutputException as error:
-        raise _traced_error(
-            f"{fn_name} reads the value of a tensor {_where(error)} ({error.func}). A traced program has one fixed "
-            f"sequence of ops, so Python control flow cannot depend on tensor data. Compute both branches and "
-            f"select with torch.where, or pass the deciding value as a Python scalar (a static argument: each "
-            f"distinct value is traced once).", error) from None
-    except UnsupportedOperatorException as error:
-        raise _traced_error(
-            f"{fn_name} calls {error.func} {_where(error)}, which has no fake-tensor (meta) implementation. Register "
-            f"one with torch.library.register_fake, or keep that op outside the jitted function.", error) from None
-    except MetaKernelRejection as error:
-        verdict = ("eager PyTorch rejects these inputs too" if error.confirmed else
-                   "its fake-tensor kernel rejects the inputs and no real kernel could be asked (trace with tensors "
-                   "on a real device instead of meta)")
-        raise _traced_error(f"{fn_name} calls {op_name(error.op)} {_where(error)} on inputs it cannot take: "
-                            f"{_first_lines(error)} ({verdict}).", error) from None
-    except NotImplementedError as error:
-        if not (operator := _HIGHER_ORDER_WITHOUT_RULE.search(str(error))) or not _raised_inside_torch(error):
-            raise
-        raise _traced_error(f"{fn_name} calls {operator[1]} {_where(error)}, a higher-order operator that fake "
-                            f"tensors cannot run under dynaflow_fn's tracer (activation checkpointing's replay of "
-                            f"random numbers: run_and_save_rng_state, run_with_rng_state). Keep random ops out of "
-                            f"checkpointed regions, or the region outside the jitted function.", error) from None
-    except Exception as error:
-        if not _raised_inside_torch(error):
-            raise
-        raise _traced_error(f"{fn_name} failed {_where(error)} while being traced: {type(error).__name__}: "
-                            f"{_first_lines(error)}{_hint(error)}", error) from None

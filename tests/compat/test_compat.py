@@ -322,6 +322,26 @@ def test_refusing_generator_arguments_stops_the_op_before_make_fx_records_it_and
     assert isinstance(compat.refusing_generator_arguments(GeneratorRefused), contextlib.nullcontext)
 
 
+class ValueReadRefused(Exception):
+    pass
+
+
+def test_refusing_value_reads_of_outside_tensors_stops_reads_of_real_tensors_and_its_fallback_does_nothing(
+        monkeypatch):
+    outside, refused = torch.tensor(3.0), []
+
+    def body(x, read):
+        with compat.refusing_value_reads_of_outside_tensors(lambda op: ValueReadRefused(refused.append(op))):
+            return x * read(x)
+
+    make_fx(lambda x: body(x, lambda x: torch.tensor(2.0).item()), tracing_mode="fake")(torch.randn(2))  # its own
+    with pytest.raises(ValueReadRefused):
+        make_fx(lambda x: body(x, lambda x: float(outside * 2)), tracing_mode="fake")(torch.randn(2))
+    assert refused == [torch.Tensor.__float__]
+    monkeypatch.setitem(sys.modules, "torch.overrides", None)
+    assert isinstance(compat.refusing_value_reads_of_outside_tensors(ValueReadRefused), contextlib.nullcontext)
+
+
 def test_importing_inductor_raises_no_warning_about_torchs_own_torchscript_classes(monkeypatch):
     import sys
     import warnings

@@ -1,6 +1,6 @@
 """Trace-time refusals of what a Plan cannot replay: seeding the global generator or drawing from a
 generator of its own, changing an argument's layout in place, rebinding a tensor attribute, keeping a
-tensor of the trace in Python state. Each is compared with eager PyTorch where the function is fine,
+tensor of the trace in Python state, reading the value of a tensor the function does not receive. Each is compared with eager PyTorch where the function is fine,
 and the caller's state is checked to be left as it was where it is refused."""
 
 import dataclasses
@@ -230,3 +230,30 @@ def test_returning_a_container_that_is_no_pytree_is_a_trace_error_saying_what_to
 def test_a_model_outputs_fields_returned_as_a_dict_come_back_as_eagers():
     x = torch.randn(3)
     torch.testing.assert_close(df.jit(lambda x: dict(_model_output(x * 2)))(x), {"last_hidden_state": x * 2})
+
+
+_OUTSIDE = torch.tensor(3.0)
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: x * float(_OUTSIDE), lambda x: x * (_OUTSIDE * 2).item(), lambda x: x * 2 if _OUTSIDE else x,
+    lambda x: x * _OUTSIDE.tolist(), lambda x: x * int(_OUTSIDE),
+], ids=["float", "item-of-a-product", "bool", "tolist", "int"])
+def test_reading_the_value_of_a_tensor_the_function_does_not_receive_is_refused(read):
+    """The trace would keep the value the tensor had while being traced; eager reads it on every call."""
+    with pytest.raises(df.TraceError, match=r"reads the value of a tensor it does not receive as an argument"):
+        df.jit(read)(torch.ones(2))
+
+
+def test_reading_the_value_of_its_own_literal_or_using_an_outside_tensor_as_a_tensor_still_runs():
+    fast = df.jit(lambda x: x * torch.tensor(3.0).item() + _OUTSIDE)
+    torch.testing.assert_close(fast(torch.ones(2)), torch.full((2,), 6.0))
+
+
+def test_batch_norm_with_a_cumulative_average_is_refused_not_left_with_stale_statistics():
+    """momentum=None divides by float(num_batches_tracked): the trace saw the count before its own
+    increment (a division by zero at first), and a plan would keep that count on every call."""
+    bn = torch.nn.BatchNorm1d(4, momentum=None)
+    with pytest.raises(df.TraceError, match=r"reads the value of a tensor it does not receive.*__float__"):
+        df.jit(bn)(torch.randn(8, 4))
+    assert bn.num_batches_tracked.item() == 0 and torch.equal(bn.running_mean, torch.zeros(4))
