@@ -61,8 +61,9 @@ class FakeTensorModeWithFallback(FakeTensorMode):
             out = super().dispatch(func, types, args, kwargs)
             produced = self.produced
             if produced is not None:
+                given = {id(arg) for arg in args if isinstance(arg, FakeTensor)}   # `x.to(x.dtype)` returns x itself
                 for value in (out if isinstance(out, (tuple, list)) else (out,)):
-                    if isinstance(value, FakeTensor):
+                    if isinstance(value, FakeTensor) and id(value) not in given:
                         produced.append((weakref.ref(value), func))
             return out
 

@@ -47,7 +47,10 @@ def refuse_escaped_tensors(produced: Sequence[tuple[weakref.ref, Any]], graph: f
     for leaf in outputs:
         if isinstance(leaf, torch.Tensor) and sys.getrefcount(leaf) <= listed[id(leaf)] + own:
             ours.add(id(leaf))
-    candidates = [(ref, op) for ref, op in produced if ref() is not None and id(ref()) not in ours]
+    # One tensor may be recorded by several ops: an op's decomposition returns its last result as the
+    # op's own (addmm's meta kernel, run cold, records add before addmm). Name the outermost, the last.
+    candidates = list({id(ref()): (ref, op) for ref, op in produced if ref() is not None and id(ref()) not in ours}
+                      .values())
     if not candidates:
         return
     gc.collect()                            # a reference cycle (a traceback, a frame) may hold one for a while
