@@ -67,7 +67,7 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     flow = follow_rows(program.graph, batch_axes, rows)
     texts = [f"{finding}. Padded rows join the batch, so the real rows' results would depend on them. Pad only "
              f"functions whose rows are independent (BatchNorm in eval mode), or call this one at bucket sizes"
-             for finding in flow.findings]
+             for finding in flow.findings if not finding.causal]     # padding appends rows after the real ones
     returned = program.output_node().args[0]
     specs = list(program.outputs)
     axes = out_axes.axes(program.out_tree, optree.tree_unflatten(program.out_tree, specs))
@@ -125,7 +125,7 @@ def refuse_unpaddable_outputs(program: Program, again: Program, rows: int, again
       returned whole) where the row analysis does not prove it holds the rows: at a bucket of its size
       it would be cut to the real rows, silently."""
     numbers = {spec.path: spec.static_value for spec in specs
-               if spec.tensor_index is None and not isinstance(spec.static_value, (bool, str, type(None)))}
+               if spec.tensor_index is None and not isinstance(spec.static_value, (str, type(None)))}
     returned = program.output_node().args[0]
     unproven = {spec.path: (axis, returned[spec.tensor_index].meta["val"].shape)
                 for spec, axis, state in zip(specs, axes, states)

@@ -100,7 +100,7 @@ def _carried(node: fx.Node, flow: RowFlow, reduced: list[Reduced]) -> Reduced:
     broken = next((state.not_a_sum for state in reduced if state.not_a_sum), None)
     if broken is None and not _linear_in_sums(node, flow):
         broken = describe(node)
-    return Reduced(reduced[0].by, broken)
+    return Reduced(reduced[0].by, broken, broken is None and all(state.mean for state in reduced))
 
 
 def _linear_in_sums(node: fx.Node, flow: RowFlow) -> bool:

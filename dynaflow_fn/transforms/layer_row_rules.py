@@ -6,6 +6,7 @@ so rows of the batch stay rows there and rows on any other axis are mixed by the
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Sequence
 
 import torch
@@ -50,6 +51,20 @@ def _per_sample(call: RuleCall, verb: str) -> State:
         return call.report(f"{verb} across the batch axis (axis {state.axis} of its input), so every row reads "
                            f"other rows")
     return call.result(state if state == Rows(0) else UNKNOWN)
+
+
+def _pool(call: RuleCall) -> State:
+    """Pooling, resampling and edge padding over the last 1, 2 or 3 dimensions (the op's name says
+    how many): each output position reads a window of positions there, and nothing across the others."""
+    name = "self" if "self" in call.bound else "input"
+    state = _only_input_at(call, name, range(call.rank(call.bound[name])))
+    if state is None:
+        return call.result(UNKNOWN)
+    spatial = int(re.search(r"(\d)d", op_info(call.node.target).packet)[1])     # max_pool2d_with_indices: 2
+    if state.axis >= call.rank(call.bound[name]) - spatial:
+        return call.report(f"pools, resamples or pads along the batch axis (axis {state.axis} of its input), so "
+                           f"rows of the result read neighbouring rows of the batch")
+    return call.result(state)
 
 
 def _layer_norm(call: RuleCall) -> State:
@@ -104,7 +119,7 @@ def _attention(call: RuleCall) -> State:
 def _loss(call: RuleCall) -> State:
     """mse_loss, l1_loss, ...: elementwise over (self, target), then reduced unless reduction is "none" (0)."""
     if call.bound.get("reduction", 1) != 0:
-        return call.result(call.reduced(sum_of_rows=True))
+        return call.result(call.reduced(sum_of_rows=True, mean=call.bound.get("reduction", 1) == 1))
     return pointwise(call)
 
 
@@ -112,13 +127,25 @@ def _nll_loss(call: RuleCall) -> State:
     """nll_loss over scores [N, C, ...] and targets [N, ...] (cross-entropy's second half): one loss per
     sample, then reduced unless reduction is "none" (0). It also returns the weights' total, a scalar."""
     if call.bound.get("reduction", 1) != 0:
-        return call.result(call.reduced(sum_of_rows=True))
+        return call.result(call.reduced(sum_of_rows=True, mean=call.bound.get("reduction", 1) == 1))
     if {call.state("self"), call.state("target")} - {None} == {Rows(0)}:
         return Rows(0), None
     return call.result(UNKNOWN)
 
 
 LAYER_RULES: dict[str, Callable[[RuleCall], State]] = {
+    "aten.max_pool1d": _pool, "aten.max_pool2d": _pool, "aten.max_pool3d": _pool,
+    "aten.max_pool1d_with_indices": _pool, "aten.max_pool2d_with_indices": _pool,
+    "aten.max_pool3d_with_indices": _pool, "aten.avg_pool1d": _pool, "aten.avg_pool2d": _pool,
+    "aten.avg_pool3d": _pool, "aten.adaptive_avg_pool1d": _pool, "aten._adaptive_avg_pool2d": _pool,
+    "aten._adaptive_avg_pool3d": _pool, "aten.adaptive_max_pool1d": _pool, "aten.adaptive_max_pool2d": _pool,
+    "aten.adaptive_max_pool3d": _pool, "aten.upsample_nearest1d": _pool, "aten.upsample_nearest2d": _pool,
+    "aten.upsample_nearest3d": _pool, "aten._upsample_nearest_exact1d": _pool,
+    "aten._upsample_nearest_exact2d": _pool, "aten._upsample_nearest_exact3d": _pool,
+    "aten.upsample_linear1d": _pool, "aten.upsample_bilinear2d": _pool, "aten.upsample_bicubic2d": _pool,
+    "aten.upsample_trilinear3d": _pool, "aten.reflection_pad1d": _pool, "aten.reflection_pad2d": _pool,
+    "aten.reflection_pad3d": _pool, "aten.replication_pad1d": _pool, "aten.replication_pad2d": _pool,
+    "aten.replication_pad3d": _pool,
     "aten.mse_loss": _loss, "aten.l1_loss": _loss, "aten.smooth_l1_loss": _loss, "aten.huber_loss": _loss,
     "aten.soft_margin_loss": _loss, "aten.binary_cross_entropy": _loss,
     "aten.binary_cross_entropy_with_logits": _loss, "aten.nll_loss_forward": _nll_loss,

@@ -210,10 +210,10 @@ def target_mean_losses(program: Program) -> tuple[str, ...]:
 
 
 def _numbers(program: Program) -> dict[str, Any]:
-    """The values the body returns that are no tensors and may come from a size (ints, floats, a
-    `torch.Size`), by output path."""
+    """The values the body returns that are no tensors and may come from a size (ints, floats, bools,
+    a `torch.Size`), by output path."""
     return {o.path: o.static_value for o in program.outputs
-            if o.tensor_index is None and not isinstance(o.static_value, (bool, str, type(None)))}
+            if o.tensor_index is None and not isinstance(o.static_value, (str, type(None)))}
 
 
 def _sized_numbers(micro: Program, full: Program) -> list[str]:
@@ -285,6 +285,10 @@ def _merge_warning(where: str, state: State, axis: Any, rank: int) -> str | None
                 f"{'adds up' if axis == 'sum' else 'averages'} the micro-batches' values, does not give the batch's "
                 f"value. Return the sums or means it is made of (merged by \"sum\" or \"mean\") and finish it "
                 f"outside the micro-batched function.")
+    if isinstance(state, Reduced) and axis == "sum" and state.mean:
+        return (f"microbatch: {where} averages over the batch rows (by {state.by}), but out_axes \"sum\" adds up the "
+                f"micro-batches' averages, which is not the batch's average. Give it out_axes \"mean\" (weighted by "
+                f"rows), or sum it over the rows and divide by a count passed in unsplit.")
     if isinstance(state, Reduced) and isinstance(axis, int):
         return (f"microbatch: {where} is reduced over the batch rows (by {state.by}), but out_axes "
                 f"concatenates it along axis {axis}: that gives one reduction per micro-batch, not one over the "

@@ -35,10 +35,13 @@ class Reduced:
 
     `not_a_sum` names the first op that made it other than a sum or mean of one term per row (a max
     or a variance over the rows, a square root of a sum), or is None. Only such sums split: the
-    micro-batches' sums add up to the batch's, and their means, weighted by rows, average to it."""
+    micro-batches' sums add up to the batch's, and their means, weighted by rows, average to it.
+    `mean` says it divides by the count of rows it reduced (`aten.mean`, a loss's "mean" reduction),
+    so the micro-batches' values must be averaged, not added."""
 
     by: str
     not_a_sum: str | None = None
+    mean: bool = False
 
 
 class _Unknown:
@@ -52,10 +55,13 @@ State = Any   # None | Rows | Reduced | UNKNOWN, or a tuple of states for an op 
 
 @dataclass(frozen=True)
 class Finding:
-    """An op whose result changes when the batch is split, and why."""
+    """An op whose result changes when the batch is split, and why. `causal`: row `b` of its result
+    reads only rows up to `b` (a cumulative sum along the batch), so rows appended after the batch,
+    as padding appends them, leave the batch's rows as they are."""
 
     node: fx.Node
     reason: str
+    causal: bool = False
 
     def __str__(self) -> str:
         return f"{describe(self.node)} {self.reason}"
@@ -108,19 +114,19 @@ class RuleCall:
     def result(self, state: State) -> State:
         return each_result(self.node, state)
 
-    def reduced(self, sum_of_rows: bool) -> Reduced:
+    def reduced(self, sum_of_rows: bool, mean: bool = False) -> Reduced:
         """The state of a value this node makes by mixing rows of the batch: a sum or mean of one
-        term per row (`sum_of_rows`), or not."""
+        term per row (`sum_of_rows`; a mean if `mean`), or not."""
         by = describe(self.node)
-        return Reduced(by, None if sum_of_rows else by)
+        return Reduced(by, None if sum_of_rows else by, mean and sum_of_rows)
 
-    def report(self, reason: str) -> State:
-        return record_finding(self.node, self.flow, reason)
+    def report(self, reason: str, causal: bool = False) -> State:
+        return record_finding(self.node, self.flow, reason, causal)
 
 
-def record_finding(node: fx.Node, flow: RowFlow, reason: str) -> State:
+def record_finding(node: fx.Node, flow: RowFlow, reason: str, causal: bool = False) -> State:
     """Record a finding; what follows from the node is not judged again (one finding per cause)."""
-    flow.findings.append(Finding(node, reason))
+    flow.findings.append(Finding(node, reason, causal))
     return each_result(node, UNKNOWN)
 
 

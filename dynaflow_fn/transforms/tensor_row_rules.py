@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from torch import fx
+
 from ..ir.ops import op_info
 from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State
 
@@ -30,6 +32,9 @@ def pointwise(call: RuleCall) -> State:
     rank = call.rank()
     aligned = [moved(s, s.axis + rank - call.rank(n)) for n in call.node.all_input_nodes
                if isinstance(s := call.flow.states[n], Rows)]
+    if len({state.axis for state in aligned}) > 1:
+        return call.report("pairs every row of the batch with every other (its inputs hold the rows along different "
+                           "axes, which broadcasting crosses)")
     return call.result(same_rows(aligned))
 
 
@@ -50,10 +55,14 @@ def reduction(call: RuleCall) -> State:
     dims = call.dims("dim", rank)
     dims = list(range(rank)) if dims is None else dims
     if state.axis in dims:
-        return call.result(call.reduced(sum_of_rows=op_info(call.node.target).packet in _SUMS))
+        packet = op_info(call.node.target).packet
+        return call.result(call.reduced(sum_of_rows=packet in _SUMS, mean=packet == "aten.mean"))
     keep = call.bound.get("keepdim", False)
     return call.result(moved(state, state.axis if keep else state.axis - sum(d < state.axis for d in dims)))
 
+
+_CUMULATIVE = frozenset({"aten.cumsum", "aten.cumprod", "aten.cummax", "aten.cummin", "aten.logcumsumexp"})
+"""Ops along a dimension whose element `b` reads elements up to `b` only."""
 
 _SUMS = frozenset({"aten.sum", "aten.mean", "aten.nansum"})
 """Reductions whose value over the batch is a sum or mean of one term per row."""
@@ -69,7 +78,9 @@ def _along_dim(call: RuleCall) -> State:
     if state is UNKNOWN:
         return call.result(UNKNOWN)
     if call.bound.get("dim", -1) % max(call.rank(), 1) == state.axis:
-        return call.report("works along the batch axis, so every row reads the other rows")
+        causal = op_info(call.node.target).packet in _CUMULATIVE
+        reported = call.report("works along the batch axis, so every row reads the other rows", causal=causal)
+        return call.result(state) if causal else reported     # a causal result keeps its rows in place
     return call.result(state)
 
 
@@ -148,9 +159,24 @@ def _cat(call: RuleCall) -> State:
     dim = call.bound.get("dim", 0) % call.rank()
     states = [call.flow.states[t] for t in tensors if isinstance(call.flow.states[t], Rows)]
     state = same_rows(states)
+    if state is not UNKNOWN and state.axis == dim and _shifted(call, tensors, dim):
+        return call.report("concatenates along the batch axis after other values, so rows of the result sit at "
+                           "other positions than the batch's rows")
     if state is UNKNOWN or state.axis == dim or any(call.rank(t) != call.rank() for t in tensors):
         return call.result(UNKNOWN)
     return call.result(state)
+
+
+def _shifted(call: RuleCall, tensors: Sequence[fx.Node], dim: int) -> bool:
+    """Whether values come before the first batched tensor along `dim` (`cat([zeros(1, d), x])`): a
+    batched tensor first (`cat([x, tail])`, decode rows before a prefill chunk) keeps its rows in
+    place, and what follows is left to the ops that read it."""
+    for tensor in tensors:
+        if isinstance(call.flow.states[tensor], Rows):
+            return False
+        if call.shape(tensor)[dim] if call.rank(tensor) == call.rank() else True:
+            return True
+    return False
 
 
 def _stack(call: RuleCall) -> State:
@@ -165,13 +191,63 @@ def _stack(call: RuleCall) -> State:
 def _split(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank(call.bound["self"])
+    if dim == state.axis and len(call.node.meta["val"]) > 1:
+        return _cut_into_pieces(call)
     return call.result(UNKNOWN if dim == state.axis else state)
 
 
 def _unbind(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank(call.bound["self"])
-    return call.result(UNKNOWN if dim == state.axis else moved(state, state.axis - (dim < state.axis)))
+    if dim == state.axis:
+        return _cut_into_pieces(call)
+    return call.result(moved(state, state.axis - (dim < state.axis)))
+
+
+def _cut_into_pieces(call: RuleCall) -> State:
+    return call.report("cuts the batch axis into pieces, so a piece holds other rows of a part of the batch than "
+                       "of the whole")
+
+
+def _pad(call: RuleCall) -> State:
+    """constant_pad_nd: `pad` holds (before, after) pairs for the last dimensions, the last first."""
+    state, rank, pad = call.state("self"), call.rank(), list(call.bound["pad"])
+    padded = {rank - 1 - i // 2 for i, amount in enumerate(pad) if amount}
+    if state.axis in padded:
+        return call.report("pads the batch axis, so rows of the result sit at other positions than the batch's "
+                           "rows, or read the padding")
+    return call.result(state)
+
+
+def _scatter(call: RuleCall) -> State:
+    """scatter, scatter_add, scatter_reduce: write `src` into `self` at the positions `index` holds
+    along `dim`. Along another axis than the rows', each row writes into its own row. Along the rows'
+    axis into a value that reads no row, rows land in slots that data chooses: added up (scatter_add,
+    a "sum" reduce) they make a sum over the rows, reduced otherwise something else. A plain write
+    there (a cache update) stops the analysis."""
+    states = [call.flow.states[n] for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
+    state, rank = same_rows(states), call.rank()
+    if state is UNKNOWN or any(call.rank(n) != rank for n in call.node.all_input_nodes):
+        return call.result(UNKNOWN)
+    dim = call.bound["dim"] % rank
+    if dim != state.axis and call.shape()[state.axis] == call.shape(call.bound["index"])[state.axis]:
+        return call.result(state)
+    added = op_info(call.node.target).packet == "aten.scatter_add" or call.bound.get("reduce") in ("sum", "add")
+    if dim == state.axis and call.state("self") is None and (added or "reduce" in call.bound):
+        return call.result(call.reduced(sum_of_rows=added))
+    return call.result(UNKNOWN)
+
+
+def _index_add(call: RuleCall) -> State:
+    """index_add, index_reduce: add (or reduce) the rows of `source` along `dim` into the rows of
+    `self` that `index` names. With the batch rows along `dim` and a `self` that reads no row, the
+    rows land in slots that data chooses, mixed."""
+    source, index = call.state("source"), call.state("index")
+    dim = call.bound["dim"] % call.rank()
+    if call.state("self") is None and isinstance(source, Rows) and source.axis == dim and index in (None, Rows(0)):
+        return call.result(call.reduced(sum_of_rows=op_info(call.node.target).packet == "aten.index_add"
+                                        or call.bound.get("reduce") == "sum"))
+    return call.result(UNKNOWN)
 
 
 def _matmul(call: RuleCall, first: str, second: str, batched: bool) -> State:
@@ -245,6 +321,8 @@ TENSOR_RULES: dict[str, Callable[[RuleCall], State]] = {
     "aten.cumsum": _along_dim, "aten.cumprod": _along_dim, "aten.logcumsumexp": _along_dim, "aten.sort": _along_dim,
     "aten.argsort": _along_dim, "aten.topk": _along_dim, "aten.cummax": _along_dim, "aten.cummin": _along_dim,
     "aten.kthvalue": reduction, "aten.median": reduction, "aten.nanmedian": reduction, "aten.mode": reduction,
+    "aten.constant_pad_nd": _pad, "aten.scatter": _scatter, "aten.scatter_add": _scatter,
+    "aten.scatter_reduce": _scatter, "aten.index_add": _index_add, "aten.index_reduce": _index_add,
     "aten.mm": _mm, "aten.addmm": _addmm, "aten.bmm": _bmm,
     "aten.baddbmm": _baddbmm,
 }

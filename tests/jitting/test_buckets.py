@@ -278,6 +278,22 @@ def test_a_function_that_reads_its_batch_size_other_than_as_a_size_warns(fn, mes
     assert not torch.equal(got, fn(x))                     # what the warning is about
 
 
+@pytest.mark.parametrize("fn, out_axes, message", [
+    (lambda x: (x[:, None, 0] > x[None, :, 0]).sum(1), 0, r"aten\.gt\.Tensor pairs every row of the batch"),
+    (lambda x: F.max_pool1d(-x.abs().T[None], 3, 1, 1)[0].T, 0, r"aten\.max_pool2d_with_indices pools, resamples or pads"),
+    (lambda x: F.pad(x, (0, 0, 0, 1), value=1.0)[1:] + x, 0, r"aten\.constant_pad_nd pads the batch axis"),
+    (lambda x: x.chunk(2, 0)[0].sum(0), None, r"aten\.split\.Tensor cuts the batch axis into pieces"),
+    (lambda x: torch.zeros(3, 4).index_add(0, torch.arange(x.shape[0]) % 3, x.exp()), None,
+     r"out is reduced over the batch rows \(by aten\.index_add\), so the padded rows enter it"),
+], ids=["pairs-by-broadcasting", "max-pool-over-the-batch", "padded-batch-axis", "chunked-batch", "rows-added-into-slots"])
+def test_functions_that_pair_pool_shift_cut_or_add_up_the_rows_warn(fn, out_axes, message):
+    """Padded rows join the pairs, windows, pieces and slots of the real rows; each returned other values silently."""
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match=message):
+        got = df.jit(fn, buckets=(2, 4, 8), in_axes=0, out_axes=out_axes, backend="eager")(x)
+    assert got.shape != fn(x).shape or not torch.allclose(got, fn(x))
+
+
 @pytest.mark.parametrize("fn, message", [
     (lambda x, y: F.cross_entropy(x, y), r"out is reduced over the batch rows \(by aten.nll_loss_forward\)"),
     (lambda x, y: x * 2, r"out has the batch rows along axis 0, but out_axes None returns it"),
@@ -468,3 +484,19 @@ def test_buckets_compose_with_a_transformed_function():
         torch.testing.assert_close(fast(params, x), fn(params, x), rtol=1e-5, atol=1e-5)
     for plan in fast.plans():
         df.verify(plan)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.cumsum(0), lambda x: x.cummax(0).values * 2,
+                                lambda x: x.logcumsumexp(0) - x], ids=["cumsum", "cummax", "logcumsumexp"])
+def test_cumulative_ops_along_the_batch_pad_exactly_without_a_warning_and_still_warn_when_micro_batched(fn):
+    """Row b of a cumulative sum reads rows up to b: rows padded after the real ones change none of
+    theirs. A micro-batch restarts the sum at its first row."""
+    x = torch.randn(5, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(df.jit(fn, buckets=(4, 8), in_axes=0, backend="eager")(x), fn(x))
+    with pytest.warns(UserWarning, match=r"works along the batch axis"):
+        df.jit(T.microbatch(fn, num=2))(torch.randn(6, 3))
+    with pytest.warns(UserWarning, match=r"aten\.flip works along the batch axis"):
+        got = df.jit(lambda x: fn(x).flip(0), buckets=(4, 8), in_axes=0, backend="eager")(x)
+    assert not torch.allclose(got, fn(x).flip(0))

@@ -207,6 +207,29 @@ class _Center(nn.Module):
         return x - x.mean(0, keepdim=True)
 
 
+_MOVING_ROWS = [
+    (lambda x: (x[:, None, 0] > x[None, :, 0]).sum(1) * x[:, 0],
+     r"aten\.gt\.Tensor pairs every row of the batch with every other"),
+    (lambda x: nn.functional.max_pool1d(x.T[None], 3, 1, 1)[0].T,
+     r"aten\.max_pool2d_with_indices pools, resamples or pads along the batch axis \(axis 3 of its input\)"),
+    (lambda x: nn.functional.pad(x, (0, 0, 1, 0))[:-1] + x, r"aten\.constant_pad_nd pads the batch axis"),
+    (lambda x: torch.cat([torch.zeros(1, 3), x])[:-1] + x, r"aten\.cat concatenates along the batch axis"),
+    (lambda x: x.chunk(2, 0)[0].sum(0) + x, r"aten\.split\.Tensor cuts the batch axis into pieces"),
+    (lambda x: x.unbind(0)[0] + x, r"aten\.unbind\.int cuts the batch axis into pieces"),
+]
+"""Ops that pair, pool, shift or cut the rows: each returned other values than the unsplit function silently."""
+_MOVING_ROWS_IDS = ["pairs-by-broadcasting", "max-pool-over-the-batch", "padded-batch-axis", "concatenated-on-the-batch",
+                    "chunked-batch", "unbound-batch"]
+
+
+@pytest.mark.parametrize("fn, match", _MOVING_ROWS, ids=_MOVING_ROWS_IDS)
+def test_ops_that_pair_pool_shift_or_cut_the_rows_give_other_values_than_the_unsplit_function(fn, match):
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=match):
+        got = df.jit(T.microbatch(fn, num=2))(x)
+    assert got.shape != fn(x).shape or not torch.allclose(got, fn(x))
+
+
 @pytest.mark.parametrize("fn, match", [
     (nn.Sequential(nn.Linear(3, 3), _Center()),
      (r"aten\.sub\.Tensor in 1 \(_Center\) combines a value mixed across the batch rows \(by aten\.mean\.dim in 1 "
@@ -230,9 +253,10 @@ class _Center(nn.Module):
      r"aten\.native_group_norm normalizes across the batch axis \(axis 2 of its input\)"),
     (lambda x: nn.functional.conv1d(x.T[None], torch.ones(1, 3, 2))[0],
      r"aten\.convolution convolves across the batch axis \(axis 2 of its input\)"),
+    *_MOVING_ROWS,
 ], ids=["centering-module", "softmax-over-batch", "rows-times-rows", "global-norm", "flip", "roll", "gather",
         "index", "repeat", "sort-several-results", "topk", "transposed-reshape", "permuted-reshape",
-        "group-norm-over-the-batch", "convolution-over-the-batch"])
+        "group-norm-over-the-batch", "convolution-over-the-batch", *_MOVING_ROWS_IDS])
 def test_ops_that_mix_the_rows_of_the_batch_warn(fn, match):
     if isinstance(fn, nn.Module):
         fn, params = df.pure(fn)
@@ -261,7 +285,10 @@ def test_outputs_merged_against_their_rows_warn(fn, out_axes, match):
     (lambda x: x.reshape(-1) * 2, 0), (lambda x: x.T * 2, -1),
     (lambda x: nn.functional.cross_entropy(x, x.argmax(1), reduction="none"), 0),
     (lambda x: nn.functional.cross_entropy(x, x.argmax(1), reduction="sum"), "sum"),
-], ids=["flattened", "transposed", "per-sample-loss", "summed-loss"])
+    (lambda x: torch.zeros_like(x).scatter(1, x.argmax(1, keepdim=True), 1.0), 0),
+    (lambda x: nn.functional.pad(x, (1, 1)) * 2, 0),
+    (lambda x: nn.functional.max_pool1d(x[:, None], 2)[:, 0], 0),
+], ids=["flattened", "transposed", "per-sample-loss", "summed-loss", "one-hot", "padded-columns", "pooled-per-row"])
 def test_outputs_merged_along_their_rows_do_not_warn(fn, out_axes, no_microbatch_warnings):
     x = torch.randn(6, 3)
     torch.testing.assert_close(df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x), fn(x))
@@ -291,6 +318,31 @@ def test_a_number_computed_from_the_batch_size_warns():
         got = df.jit(T.microbatch(fn, num=2))(x)
     assert len([w for w in caught if "microbatch:" in str(w.message)]) == 1      # x.shape[1] and 0.5 are fine
     assert got[1] != fn(x)[1] and got[2:] == fn(x)[2:]
+
+
+def test_a_python_bool_computed_from_the_batch_size_warns():
+    fn = lambda x: (x * 2, x.shape[0] > 4)   # noqa: E731
+    with pytest.warns(UserWarning, match=r"out\[1\] is False for a micro-batch but True for the whole batch"):
+        got = df.jit(T.microbatch(fn, num=2, out_axes=(0, None)))(torch.randn(6, 3))
+    assert got[1] is False
+
+
+def test_rows_added_into_slots_are_a_sum_over_the_rows():
+    """index_add and scatter_add into a table that reads no row: exact merged by "sum", not concatenated."""
+    fn = lambda x, slots: torch.zeros(3, 4).index_add(0, slots, x)   # noqa: E731
+    x, slots = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(T.microbatch(fn, num=2, in_axes=(0, 0), out_axes="sum"))(x, slots)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, fn(x, slots))
+    with pytest.warns(UserWarning, match=r"out is reduced over the batch rows \(by aten\.index_add\), but out_axes "
+                                         r"concatenates it"):
+        df.jit(T.microbatch(fn, num=2, in_axes=(0, 0), out_axes=0))(x, slots)
+    amax = lambda x, slots: torch.zeros(3, 4).scatter_reduce(0, slots[:, None].expand(-1, 4), x, "amax")  # noqa: E731
+    with pytest.warns(UserWarning, match=r"by aten\.scatter_reduce\.two, which is not a sum or mean over them"):
+        got = df.jit(T.microbatch(amax, num=2, in_axes=(0, 0), out_axes="sum"))(x, slots)
+    assert not torch.allclose(got, amax(x, slots))
 
 
 def test_an_in_place_update_of_a_shared_input_warns():
@@ -438,7 +490,9 @@ def test_an_output_that_reads_the_rows_kept_from_the_first_micro_batch_warns(fn)
     (lambda x: x.norm(), "sum", r"by aten\.linalg_vector_norm, which is not a sum or mean"),
     (lambda x: x.pow(2).sum().sqrt(), "sum", r"by aten\.sum, then passed through aten\.sqrt"),
     (lambda x: x.sum() / (x > 0).sum(), "mean", r"then passed through aten\.div\.Tensor, which is not linear"),
-], ids=["variance", "max", "first-row", "norm", "root-of-sum", "ratio-of-sums"])
+    (lambda x: x.mean(0), "sum", r"out averages over the batch rows \(by aten\.mean\.dim\), but out_axes \"sum\""),
+    (lambda x: nn.functional.mse_loss(x, x * 2), "sum", r"averages over the batch rows \(by aten\.mse_loss\)"),
+], ids=["variance", "max", "first-row", "norm", "root-of-sum", "ratio-of-sums", "mean-summed", "mean-loss-summed"])
 def test_a_reduction_other_than_a_sum_of_rows_merged_by_sum_or_mean_warns(fn, out_axes, match):
     """The micro-batches' variances, maxima or norms do not add up, nor average, to the batch's."""
     x = torch.randn(6, 3)
