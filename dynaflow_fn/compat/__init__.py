@@ -57,8 +57,8 @@ from .tracing import (
     outside_current_trace,
     quiet_meta_failures,
     refusing_generator_arguments,
-    refusing_value_reads_of_outside_tensors,
 )
+from .value_reads import refusing_value_reads_of_outside_tensors
 
 __all__ = [
     "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "OpOverload",

@@ -7,13 +7,9 @@ the documented-in-code way torch.export and torch.compile do it, stable across 2
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import threading
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import optree
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import (
@@ -27,6 +23,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import KERNEL_ERRORS, InternalError, MetaKernelRejection
+from .value_reads import resting_value_read_refusals
 
 
 class FakeTensorModeWithFallback(FakeTensorMode):
@@ -137,12 +134,8 @@ def outside_current_trace() -> Iterator[None]:
     value-read refusals (`refusing_value_reads_of_outside_tensors`) rest meanwhile too."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    resting, _refusals.active = getattr(_refusals, "active", []), []
-    try:
-        with _disable_current_modes():
-            yield
-    finally:
-        _refusals.active = resting
+    with resting_value_read_refusals(), _disable_current_modes():
+        yield
 
 
 def refusing_generator_arguments(refusal: Callable[[Any], Exception]) -> contextlib.AbstractContextManager:
@@ -164,75 +157,6 @@ def refusing_generator_arguments(refusal: Callable[[Any], Exception]) -> context
             return func(*args, **kwargs)
 
     return RefusingGenerators()
-
-
-def refusing_value_reads_of_outside_tensors(refusal: Callable[[Any], Exception]) -> contextlib.AbstractContextManager:
-    """A context to enter inside a make_fx trace in which reading as a Python value (a number, a bool,
-    a list) a tensor the function did not receive raises `refusal(op)`. Such a tensor (a module
-    buffer, a closed-over or global tensor) is a real one, not a fake: FakeTensorMode answers the read
-    from its data, and keeps tensors of one element as constants through the ops on them, so the
-    trace would bake in the value the tensor had while being traced, where eager reads it anew on
-    every call. Reads of one-element values computed from it (`(s * 2).item()`) are refused too; a
-    literal the function makes itself (`torch.tensor(3.).item()`) is its own and stays allowed. A
-    torch function mode entered inside the trace sees each call first, Tensor methods included.
-    Without torch function modes, nothing is intercepted."""
-    try:
-        from torch.overrides import TorchFunctionMode
-    except ImportError:
-        return contextlib.nullcontext()
-    derived: dict[int, weakref.ref] = {}
-
-    def outside(value: Any) -> bool:
-        if not isinstance(value, torch.Tensor):
-            return False
-        return not isinstance(value, FakeTensor) or (id(value) in derived and derived[id(value)]() is value)
-
-    class RefusingValueReads(TorchFunctionMode):
-        def __enter__(self) -> "RefusingValueReads":
-            _refusals.active = [*getattr(_refusals, "active", []), self]
-            return super().__enter__()
-
-        def __exit__(self, *exc: Any) -> None:
-            _refusals.active = [mode for mode in getattr(_refusals, "active", []) if mode is not self]
-            super().__exit__(*exc)
-
-        def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            if self not in getattr(_refusals, "active", ()) or not any(
-                    outside(value) for value in optree.tree_leaves((args, kwargs))):
-                return func(*args, **kwargs)
-            if func in _VALUE_READS and not _called_by_dynaflow():
-                raise refusal(func)
-            result = func(*args, **kwargs)
-            for value in optree.tree_leaves(result):
-                if isinstance(value, FakeTensor) and value.numel() <= 1:
-                    derived[id(value)] = weakref.ref(value)
-            return result
-
-    return RefusingValueReads()
-
-
-def _called_by_dynaflow() -> bool:
-    """Whether the code that made the call is dynaflow_fn's own (a transform reading a graph constant
-    while the trace runs), not the traced function's or a library's it calls: the first frame
-    outside torch's override machinery above the torch function mode."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in _OVERRIDE_FILES:
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR)
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_OVERRIDE_FILES = frozenset(os.path.join(os.path.dirname(torch.__file__), name) for name in ("overrides.py", "_tensor.py"))
-
-_refusals = threading.local()
-"""`active`: the value-read refusals of this thread that are not resting (see `outside_current_trace`)."""
-
-_VALUE_READS = frozenset({
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__float__,
-    torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__complex__, torch.Tensor.equal, torch.equal,
-})
-"""The calls that hand a tensor's data to Python."""
 
 
 @contextlib.contextmanager

@@ -16,10 +16,11 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterable, Iterator
 
+import optree
 import torch
 
 from ..compat import FakeTensor, module_tensor_dicts
-from ..errors import TraceError
+from ..errors import TraceError, warn
 from .closure import closed_over_objects
 
 _Snapshot = dict[int, tuple[torch.nn.Module, dict[str, dict[str, Any]]]]
@@ -49,8 +50,16 @@ def _slots(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
 def refusing_attribute_rebinds(fn: Callable[..., Any], fn_name: str,
                                called: Callable[[], Iterable[torch.nn.Module]]) -> Iterator[None]:
     """Run a trace; afterwards put back tensors it bound to module attributes, and on success raise a
-    TraceError naming them. `called` gives the modules the trace called, once it has run."""
-    before: _Snapshot = {id(m): (m, _slots(m)) for m in _reachable_modules(fn)}
+    TraceError naming them. `called` gives the modules the trace called, once it has run. Python
+    values it changed (`self.calls += 1`) are left as the trace made them, with a warning."""
+    reachable = _reachable_modules(fn)
+    lazy = sorted({type(m).__name__ for m in reachable if isinstance(m, torch.nn.Module) and any(
+        torch.nn.parameter.is_lazy(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))})
+    if lazy:
+        raise TraceError(f"{fn_name} calls {', '.join(lazy)}, whose parameters are not initialized yet (a lazy module "
+                         f"infers their shapes on its first call). Call it once eagerly first, then jit it.")
+    before: _Snapshot = {id(m): (m, _slots(m)) for m in reachable}
+    python_before = {id(m): (m, _python_state(m)) for m in reachable}
     rebound: list[str] = []
     try:
         yield
@@ -58,6 +67,13 @@ def refusing_attribute_rebinds(fn: Callable[..., Any], fn_name: str,
         modules = {id(m): m for m in (*(m for m, _ in before.values()), *called())}
         for module in modules.values():
             rebound += _restore(module, before.get(id(module), (module, {}))[1])
+    changed = [f"{type(m).__name__}.{name}" for m, state in python_before.values()
+               for name in _changed(state, _python_state(m))]
+    if changed and not rebound:
+        warn(f"{fn_name} changes {', '.join(sorted(set(changed)))} while being traced (self.calls += 1, a list "
+             f"appended to, a flag set once). A jitted function replays tensor ops only: later calls will not change "
+             f"it again, and what the function computes from it keeps the traced value. Keep such state in a tensor "
+             f"updated in place (a buffer: self.calls.add_(1)), or outside the jitted function.")
     if rebound:
         raise TraceError(
             f"{fn_name} assigns a tensor computed while being traced to {', '.join(sorted(set(rebound)))} "
@@ -80,3 +96,29 @@ def _restore(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> list[
             else:
                 del live[name]
     return names
+
+
+def _python_state(obj: Any) -> dict[str, tuple]:
+    """The public Python values an object keeps as attributes, other than tensors and modules, each as
+    a fingerprint to compare: numbers, strings and flags by value, lists and dicts by the identity of
+    the container and of its items (to see them appended to). The fingerprints hold the items, so
+    that no identity is reused while they are compared. Private attributes (`_code`, a cache) are the
+    implementation's own: an FX GraphModule, for one, compiles its code on its first call."""
+    state = {}
+    if isinstance(obj, torch.fx.GraphModule):
+        return state
+    for name, value in vars(obj).items():
+        if name.startswith("_") or name == "training" or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            continue
+        if isinstance(value, (int, float, bool, str, type(None))):
+            state[name] = (type(value), value)
+        elif isinstance(value, (list, dict)):
+            items = tuple(value.items()) if isinstance(value, dict) else tuple(value)
+            state[name] = (type(value), id(value), tuple(map(id, optree.tree_leaves(items, none_is_leaf=True))), items)
+    return state
+
+
+def _changed(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    """The attributes whose fingerprints differ (the items they hold compared by identity only)."""
+    return [name for name in before.keys() | after.keys()
+            if name not in before or name not in after or before[name][:3] != after[name][:3]]

@@ -34,6 +34,11 @@ def refusing_outside_value_reads() -> contextlib.AbstractContextManager:
     return refusing_value_reads_of_outside_tensors(OutsideValueRead)
 
 
+_READS = {"_local_scalar_dense.default": "as a Python number: float(), int(), .item(), an index or size",
+          "is_nonzero.default": "as a bool", "equal.default": "torch.equal", "tolist": ".tolist()",
+          "numpy": ".numpy()", "__array__": "numpy.asarray"}
+"""How each read of a tensor's data that `refusing_outside_value_reads` refuses looks in the user's code."""
+
 _TRACER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tracer.py")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
@@ -106,7 +111,7 @@ def translating_errors(fn_name: str) -> Iterator[None]:
     except OutsideValueRead as error:
         raise _traced_error(
             f"{fn_name} reads the value of a tensor it does not receive as an argument (a module buffer, a closed-over "
-            f"or global tensor) {_where(error)} ({error.op.__name__}). A plan would keep the value the tensor had while "
+            f"or global tensor) {_where(error)} ({_READS.get(error.op.__name__, error.op.__name__)}). A plan would keep the value the tensor had while "
             f"being traced, where eager PyTorch reads it anew on every call (and sees the function's own updates of "
             f"it). Use it as a tensor in torch ops (`x * s`, torch.where), or pass the value as a Python scalar "
             f"argument (a static argument: each distinct value is traced once).", error) from None

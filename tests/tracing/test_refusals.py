@@ -1,11 +1,14 @@
 """Trace-time refusals of what a Plan cannot replay: seeding the global generator or drawing from a
 generator of its own, changing an argument's layout in place, rebinding a tensor attribute, keeping a
-tensor of the trace in Python state, reading the value of a tensor the function does not receive. Each is compared with eager PyTorch where the function is fine,
-and the caller's state is checked to be left as it was where it is refused."""
+tensor of the trace in Python state, reading the value of a tensor the function does not receive.
+Each is compared with eager PyTorch where the function is fine, and the caller's state is checked to
+be left as it was where it is refused. Python state changed while being traced warns."""
 
 import dataclasses
 import re
+import warnings
 
+import numpy
 import pytest
 import torch
 
@@ -237,8 +240,10 @@ _OUTSIDE = torch.tensor(3.0)
 
 @pytest.mark.parametrize("read", [
     lambda x: x * float(_OUTSIDE), lambda x: x * (_OUTSIDE * 2).item(), lambda x: x * 2 if _OUTSIDE else x,
-    lambda x: x * _OUTSIDE.tolist(), lambda x: x * int(_OUTSIDE),
-], ids=["float", "item-of-a-product", "bool", "tolist", "int"])
+    lambda x: x * _OUTSIDE.tolist(), lambda x: x * int(_OUTSIDE), lambda x: x[:_OUTSIDE.long()],
+    lambda x: x + torch.arange(_OUTSIDE.long()).sum(), lambda x: x * torch.from_numpy(numpy.asarray(_OUTSIDE)),
+    lambda x: torch.nn.functional.leaky_relu(x, _OUTSIDE),
+], ids=["float", "item-of-a-product", "bool", "tolist", "int", "slice-end", "arange-size", "numpy", "scalar-argument"])
 def test_reading_the_value_of_a_tensor_the_function_does_not_receive_is_refused(read):
     """The trace would keep the value the tensor had while being traced; eager reads it on every call."""
     with pytest.raises(df.TraceError, match=r"reads the value of a tensor it does not receive as an argument"):
@@ -250,10 +255,69 @@ def test_reading_the_value_of_its_own_literal_or_using_an_outside_tensor_as_a_te
     torch.testing.assert_close(fast(torch.ones(2)), torch.full((2,), 6.0))
 
 
+class _Cache(torch.nn.Module):
+    """A KV cache whose write position is a buffer the caller advances."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(4))
+        self.register_buffer("pos", torch.tensor(0))
+
+    def forward(self, x):
+        self.k[self.pos] = x
+        return self.k * 1
+
+
+def test_a_cache_written_at_a_position_held_in_a_buffer_is_refused_not_written_at_the_traced_position():
+    """The plan would write every step at position 0, the position it saw while being traced."""
+    cache = _Cache()
+    with pytest.raises(df.TraceError, match=r"at .*test_refusals\.py:\d+: `self\.k\[self\.pos\] = x` \(as a Python"):
+        df.jit(cache)(torch.tensor(1.0))
+    assert torch.equal(cache.k, torch.zeros(4)) and cache.pos.item() == 0
+
+
 def test_batch_norm_with_a_cumulative_average_is_refused_not_left_with_stale_statistics():
     """momentum=None divides by float(num_batches_tracked): the trace saw the count before its own
     increment (a division by zero at first), and a plan would keep that count on every call."""
     bn = torch.nn.BatchNorm1d(4, momentum=None)
-    with pytest.raises(df.TraceError, match=r"reads the value of a tensor it does not receive.*__float__"):
+    with pytest.raises(df.TraceError, match=r"reads the value of a tensor it does not receive.*as a Python number"):
         df.jit(bn)(torch.randn(8, 4))
     assert bn.num_batches_tracked.item() == 0 and torch.equal(bn.running_mean, torch.zeros(4))
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls, self.seen = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.shape)
+        return x * self.calls
+
+
+def test_changing_python_state_while_being_traced_warns_that_later_calls_will_not_change_it():
+    """A plan replays tensor ops only: eager returns x * 2 on the second call, the plan x * 1."""
+    counting, eager = _Counting(), _Counting()
+    fast, x = df.jit(counting), torch.ones(2)
+    with pytest.warns(UserWarning, match=r"changes _Counting\.calls, _Counting\.seen while being traced"):
+        fast(x)
+    eager(x)
+    assert not torch.equal(fast(x), eager(x))              # what the warning is about
+
+
+def test_reading_python_state_without_changing_it_does_not_warn():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5), torch.nn.LayerNorm(3)).eval()
+    model.names, model.scale = ["a"], 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        torch.testing.assert_close(df.jit(model)(torch.ones(2, 3)), model(torch.ones(2, 3)))
+
+
+def test_a_lazy_module_not_yet_initialized_is_refused_saying_to_call_it_once_eagerly():
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.ReLU())
+    with pytest.raises(df.TraceError, match=r"calls LazyLinear, whose parameters are not initialized yet"):
+        df.jit(lazy)(torch.randn(2, 4))
+    lazy(torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(df.jit(lazy)(x), lazy(x))
