@@ -95,35 +95,39 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
 
 def _carried(node: fx.Node, flow: RowFlow, reduced: list[Reduced]) -> Reduced:
     """A value computed from values mixed across the rows, and from no rows themselves, mixes them
-    too. It stays a sum of one term per row only through ops linear in such sums: views and copies,
-    sums of them, and products or quotients of one of them by values that read no row."""
+    too. It stops being a sum of one term per row at an op that is not linear in such sums (a square
+    root, a max, a product of two of them, a quotient by one); views, adds, scaling by values that
+    read no row, and the backward ops of a gradient (linear in the gradient they are given: the
+    micro-batches' gradients of a weight add up to the batch's) keep it one."""
     broken = next((state.not_a_sum for state in reduced if state.not_a_sum), None)
-    if broken is None and not _linear_in_sums(node, flow):
+    if broken is None and _breaks_sums(node, flow):
         broken = describe(node)
     return Reduced(reduced[0].by, broken, broken is None and all(state.mean for state in reduced))
 
 
-def _linear_in_sums(node: fx.Node, flow: RowFlow) -> bool:
+def _breaks_sums(node: fx.Node, flow: RowFlow) -> bool:
     packet = ops.op_info(node.target).packet
-    if packet in _LINEAR:
+    if packet in _NOT_LINEAR:
         return True
     if packet not in _SCALING:
         return False
     mixed = [n for n in reads_values(node) if isinstance(flow.states[n], Reduced)]
-    return len(mixed) == 1 and (packet != "aten.div" or node.args[0] is mixed[0])
+    return len(mixed) > 1 or (packet == "aten.div" and node.args[0] is not mixed[0])
 
 
-_LINEAR = frozenset({
-    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.squeeze", "aten.unsqueeze", "aten.flatten",
-    "aten.unflatten", "aten.expand", "aten.permute", "aten.transpose", "aten.t", "aten.clone", "aten._to_copy",
-    "aten.detach", "aten.alias", "aten.copy", "aten.lift_fresh_copy", "aten.select", "aten.slice", "aten.cat",
-    "aten.stack", "aten.split", "aten.split_with_sizes", "aten.unbind", "aten.neg", "aten.add", "aten.sub",
-    "aten.sum", "aten.mean",
-})
-"""Ops whose result is linear in their inputs: a sum of per-row terms stays one through them."""
+_NOT_LINEAR = frozenset({f"aten.{name}" for name in (
+    "sqrt", "rsqrt", "pow", "square", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "abs", "sign",
+    "reciprocal", "tanh", "sigmoid", "sin", "cos", "tan", "atan", "atan2", "erf", "erfinv", "relu", "gelu", "silu",
+    "softplus", "elu", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "fmax",
+    "fmin", "floor", "ceil", "round", "trunc", "frac", "remainder", "fmod", "_softmax", "_log_softmax", "logsumexp",
+    "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "prod",
+    "median", "nanmedian", "mode", "kthvalue", "sort", "topk", "argmax", "argmin", "gt", "lt", "ge", "le", "eq",
+    "ne", "logical_and", "logical_or", "logical_not", "isnan", "isinf", "all", "any")})
+"""Ops that are not linear in their input: a sum over the rows passed through one is no sum."""
 
 _SCALING = frozenset({"aten.mul", "aten.div", "aten.mm", "aten.bmm", "aten.mv", "aten.dot", "aten.addmm"})
-"""Ops linear in each input apart: a sum stays one when it is their only input that mixes the rows."""
+"""Ops linear in each input apart: a sum stays one when it is their only input that mixes the rows,
+and is not a divisor."""
 
 
 def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:

@@ -29,7 +29,8 @@ from ..ir.scopes import ScopeKind
 from ..ir.tree import argument_names, leaf_key, output_path_to_str, path_to_str
 from ..tracing.regions import active_recorder
 from .base import Pass, apply_transform, retraced
-from .microbatch_body import BodyFacts, merge_warnings, study_body, studying
+from .microbatch_body import BodyFacts, study_body, studying
+from .microbatch_merges import merge_warnings
 
 _REDUCTIONS = ("sum", "mean")
 _NOT_BATCHED_HINT = ("An int in in_axes for a whole argument (or the default in_axes=0, for all of them) splits every "

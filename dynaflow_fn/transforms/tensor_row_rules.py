@@ -84,6 +84,16 @@ def _along_dim(call: RuleCall) -> State:
     return call.result(state)
 
 
+def _reorder(call: RuleCall) -> State:
+    """flip, roll: move elements along `dims`; along other axes than the rows', each row stays itself."""
+    state, rank = call.state("self"), call.rank()
+    dims = call.dims("dims", rank)
+    if dims is None or state.axis in dims:
+        return call.report(f"works along the batch axis (dims={call.bound.get('dims')}), so rows of the result read "
+                           f"or move other rows of the batch")
+    return call.result(state)
+
+
 def _view(call: RuleCall) -> State:
     """A view or reshape keeps the element order; find the output axis the batch rows land on. Where
     no axis holds them (`x.T.reshape(batch, -1)`: each row of the result takes parts of several rows),
@@ -321,7 +331,7 @@ TENSOR_RULES: dict[str, Callable[[RuleCall], State]] = {
     "aten.cumsum": _along_dim, "aten.cumprod": _along_dim, "aten.logcumsumexp": _along_dim, "aten.sort": _along_dim,
     "aten.argsort": _along_dim, "aten.topk": _along_dim, "aten.cummax": _along_dim, "aten.cummin": _along_dim,
     "aten.kthvalue": reduction, "aten.median": reduction, "aten.nanmedian": reduction, "aten.mode": reduction,
-    "aten.constant_pad_nd": _pad, "aten.scatter": _scatter, "aten.scatter_add": _scatter,
+    "aten.flip": _reorder, "aten.roll": _reorder, "aten.constant_pad_nd": _pad, "aten.scatter": _scatter, "aten.scatter_add": _scatter,
     "aten.scatter_reduce": _scatter, "aten.index_add": _index_add, "aten.index_reduce": _index_add,
     "aten.mm": _mm, "aten.addmm": _addmm, "aten.bmm": _bmm,
     "aten.baddbmm": _baddbmm,

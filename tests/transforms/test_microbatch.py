@@ -491,8 +491,10 @@ def test_an_output_that_reads_the_rows_kept_from_the_first_micro_batch_warns(fn)
     (lambda x: x.pow(2).sum().sqrt(), "sum", r"by aten\.sum, then passed through aten\.sqrt"),
     (lambda x: x.sum() / (x > 0).sum(), "mean", r"then passed through aten\.div\.Tensor, which is not linear"),
     (lambda x: x.mean(0), "sum", r"out averages over the batch rows \(by aten\.mean\.dim\), but out_axes \"sum\""),
+    (lambda x: x.flip(1).amax(0), "mean", r"by aten\.amax, which is not a sum or mean"),
     (lambda x: nn.functional.mse_loss(x, x * 2), "sum", r"averages over the batch rows \(by aten\.mse_loss\)"),
-], ids=["variance", "max", "first-row", "norm", "root-of-sum", "ratio-of-sums", "mean-summed", "mean-loss-summed"])
+], ids=["variance", "max", "first-row", "norm", "root-of-sum", "ratio-of-sums", "mean-summed", "mean-loss-summed",
+        "max-after-a-flip"])
 def test_a_reduction_other_than_a_sum_of_rows_merged_by_sum_or_mean_warns(fn, out_axes, match):
     """The micro-batches' variances, maxima or norms do not add up, nor average, to the batch's."""
     x = torch.randn(6, 3)
@@ -508,6 +510,20 @@ def test_a_reduction_other_than_a_sum_of_rows_merged_by_sum_or_mean_warns(fn, ou
 def test_sums_and_means_through_linear_ops_merge_exactly_without_a_warning(fn, out_axes, no_microbatch_warnings):
     x = torch.randn(6, 3)
     torch.testing.assert_close(df.jit(T.microbatch(fn, num=2, out_axes=out_axes))(x), fn(x))
+
+
+@pytest.mark.parametrize("weight", [
+    lambda w: w.tanh(), lambda w: w.softmax(-1), lambda w: nn.functional.normalize(w, dim=1),
+    lambda w: nn.functional.layer_norm(w, (8,)),
+], ids=["tanh", "softmax", "normalized", "layer-norm"])
+def test_gradients_through_functions_of_the_weights_alone_accumulate_exactly_without_a_warning(
+        weight, no_microbatch_warnings):
+    """A weight's gradient is a sum over the rows passed through backward ops linear in it
+    (tanh_backward, ...): the micro-batches' gradients add up to the batch's."""
+    step = df.value_and_grad(lambda p, x: (x @ weight(p["w"])).pow(2).sum())
+    params, x = {"w": torch.randn(8, 8)}, torch.randn(6, 8)
+    got = df.jit(T.microbatch(step, num=2, in_axes=(None, 0), out_axes="sum"))(params, x)
+    torch.testing.assert_close(got, step(params, x), rtol=1e-4, atol=1e-4)
 
 
 def test_attention_across_the_batch_rows_warns_and_attention_beside_them_does_not():
