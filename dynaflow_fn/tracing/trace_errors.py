@@ -41,6 +41,7 @@ _READS = {"_local_scalar_dense.default": "as a Python number: float(), int(), .i
 
 _TRACER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tracer.py")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_COMPAT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat") + os.sep
 
 
 def user_frame(tb: Any) -> traceback.FrameSummary | None:
@@ -65,10 +66,11 @@ def _where(error: BaseException) -> str:
 
 
 def _raised_inside_torch(error: BaseException) -> bool:
-    """Whether the innermost frame of the error is torch's (a kernel or check), not the function's own
-    `raise` (which reaches the caller unchanged) nor dynaflow_fn's."""
+    """Whether the innermost frame of the error is torch's (a kernel or check), or compat's wrapping
+    one of torch's calls (`x.numpy()` of a fake tensor), not the function's own `raise` (which
+    reaches the caller unchanged) nor the rest of dynaflow_fn's."""
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(_TORCH_DIR)
+    return bool(frames) and frames[-1].filename.startswith((_TORCH_DIR, _COMPAT_DIR))
 
 
 def _first_lines(error: BaseException, count: int = 3) -> str:

@@ -339,7 +339,7 @@ def test_refusing_value_reads_of_outside_tensors_stops_reads_of_real_tensors_and
         with pytest.raises(ValueReadRefused):
             make_fx(lambda x: body(x, read), tracing_mode="fake")(torch.randn(4))
     assert refused == [torch.ops.aten._local_scalar_dense.default] * 2 + [torch.Tensor.tolist]
-    monkeypatch.setitem(sys.modules, "torch.overrides", None)
+    monkeypatch.setitem(sys.modules, "torch.utils._python_dispatch", None)
     assert isinstance(compat.refusing_value_reads_of_outside_tensors(ValueReadRefused), contextlib.nullcontext)
 
 
