@@ -38,7 +38,7 @@ import torch
 from ..errors import PaddedUpdateError, TraceError, UnpaddableError
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
-from ..transforms.batch_size_reads import size_reads
+from ..transforms.batch_size_reads import returned_numbers, size_reads
 from ..transforms.row_states import Reduced, Rows
 from .buckets import BatchLayout, OutputAxes
 
@@ -124,8 +124,7 @@ def refuse_unpaddable_outputs(program: Program, again: Program, rows: int, again
     * a tensor that out_axes cuts along an axis whose size does not follow the batch (a KV cache
       returned whole) where the row analysis does not prove it holds the rows: at a bucket of its size
       it would be cut to the real rows, silently."""
-    numbers = {spec.path: spec.static_value for spec in specs
-               if spec.tensor_index is None and not isinstance(spec.static_value, (str, type(None)))}
+    numbers = returned_numbers(program)
     returned = program.output_node().args[0]
     unproven = {spec.path: (axis, returned[spec.tensor_index].meta["val"].shape)
                 for spec, axis, state in zip(specs, axes, states)

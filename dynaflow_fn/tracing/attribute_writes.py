@@ -67,19 +67,19 @@ def refusing_attribute_rebinds(fn: Callable[..., Any], fn_name: str,
         modules = {id(m): m for m in (*(m for m, _ in before.values()), *called())}
         for module in modules.values():
             rebound += _restore(module, before.get(id(module), (module, {}))[1])
-    changed = [f"{type(m).__name__}.{name}" for m, state in python_before.values()
-               for name in _changed(state, _python_state(m))]
-    if changed and not rebound:
-        warn(f"{fn_name} changes {', '.join(sorted(set(changed)))} while being traced (self.calls += 1, a list "
-             f"appended to, a flag set once). A jitted function replays tensor ops only: later calls will not change "
-             f"it again, and what the function computes from it keeps the traced value. Keep such state in a tensor "
-             f"updated in place (a buffer: self.calls.add_(1)), or outside the jitted function.")
     if rebound:
         raise TraceError(
             f"{fn_name} assigns a tensor computed while being traced to {', '.join(sorted(set(rebound)))} "
             f"(self.x = ...). A jitted function replays tensor ops only, so the assignment would happen on the "
             f"first call alone. Update the tensor in place instead (self.x.copy_(new), self.x.add_(1)), or "
             f"return the new value and keep it outside the function.")
+    changed = [f"{type(m).__name__}.{name}" for m, state in python_before.values()
+               for name in _changed(state, _python_state(m))]
+    if changed:
+        warn(f"{fn_name} changes {', '.join(sorted(set(changed)))} while being traced (self.calls += 1, a list "
+             f"appended to, a flag set once). A jitted function replays tensor ops only: later calls will not change "
+             f"it again, and what the function computes from it keeps the traced value. Keep such state in a tensor "
+             f"updated in place (a buffer: self.calls.add_(1)), or outside the jitted function.")
 
 
 def _restore(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> list[str]:

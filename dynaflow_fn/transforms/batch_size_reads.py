@@ -70,6 +70,13 @@ class SizeReads:
         return [*self.changes, *(text for _, text in self.numbers)]
 
 
+def returned_numbers(program: Program) -> dict[str, Any]:
+    """The values a function returns that are no tensors and may come from its batch size (ints,
+    floats, bools, a `torch.Size`), by output path: what two traces at two sizes compare."""
+    return {o.path: o.static_value for o in program.outputs
+            if o.tensor_index is None and not isinstance(o.static_value, (str, type(None)))}
+
+
 def size_reads(at: Program, again: Program, rows: int, again_rows: int, same_layouts: bool = True) -> SizeReads:
     """The function's reads of its batch size that give its rows another value at another batch size,
     from its traces at `rows` rows (`at`) and at `again_rows` (`again`). Traces that differ in their ops

@@ -40,7 +40,7 @@ from ..ir.program import Program
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
 from .batch_rows import follow_rows, reads_values
-from .batch_size_reads import SizeReads, size_reads
+from .batch_size_reads import SizeReads, returned_numbers, size_reads
 from .row_states import Reduced, State, describe
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
@@ -85,7 +85,7 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
     independent = {path: node for path, node in outputs.items()
                    if not any(n.op == "placeholder" and n.name in split_nodes for n in _ancestors(node))}
     shared, texts, full = frozenset(), [], None
-    if independent or _numbers(program) or rows >= 2:
+    if independent or returned_numbers(program) or rows >= 2:
         full = _trace_aside(body, tree, [_abstract(leaf) for leaf in leaves])
         if full is not None:
             full_outputs = _output_nodes(full)
@@ -210,21 +210,14 @@ def target_mean_losses(program: Program) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _numbers(program: Program) -> dict[str, Any]:
-    """The values the body returns that are no tensors and may come from a size (ints, floats, bools,
-    a `torch.Size`), by output path."""
-    return {o.path: o.static_value for o in program.outputs
-            if o.tensor_index is None and not isinstance(o.static_value, (str, type(None)))}
-
-
 def _sized_numbers(micro: Program, full: Program) -> list[str]:
     """Warnings for numbers the body returns that differ between a micro-batch and the whole batch
     (`x.shape[0]`): the micro-batched function returns the first micro-batch's, not the batch's."""
-    whole = _numbers(full)
+    whole = returned_numbers(full)
     return [f"microbatch: {path} is {value!r} for a micro-batch but {whole.get(path)!r} for the whole batch, a "
             f"number computed from the batch size; the micro-batched function returns the micro-batch's. Compute "
             f"it outside the micro-batched function."
-            for path, value in _numbers(micro).items()
+            for path, value in returned_numbers(micro).items()
             if whole.get(path) != value and value == value]              # a NaN differs from itself
 
 

@@ -184,7 +184,7 @@ def _shifted(call: RuleCall, tensors: Sequence[fx.Node], dim: int) -> bool:
     for tensor in tensors:
         if isinstance(call.flow.states[tensor], Rows):
             return False
-        if call.shape(tensor)[dim] if call.rank(tensor) == call.rank() else True:
+        if call.rank(tensor) != call.rank() or call.shape(tensor)[dim]:
             return True
     return False
 
@@ -249,14 +249,13 @@ def _scatter(call: RuleCall) -> State:
 
 
 def _index_add(call: RuleCall) -> State:
-    """index_add, index_reduce: add (or reduce) the rows of `source` along `dim` into the rows of
-    `self` that `index` names. With the batch rows along `dim` and a `self` that reads no row, the
-    rows land in slots that data chooses, mixed."""
+    """index_add, index_reduce: add (or reduce: prod, mean, amax, amin) the rows of `source` along
+    `dim` into the rows of `self` that `index` names. With the batch rows along `dim` and a `self`
+    that reads no row, the rows land in slots that data chooses: added up, a sum over the rows."""
     source, index = call.state("source"), call.state("index")
     dim = call.bound["dim"] % call.rank()
     if call.state("self") is None and isinstance(source, Rows) and source.axis == dim and index in (None, Rows(0)):
-        return call.result(call.reduced(sum_of_rows=op_info(call.node.target).packet == "aten.index_add"
-                                        or call.bound.get("reduce") == "sum"))
+        return call.result(call.reduced(sum_of_rows=op_info(call.node.target).packet == "aten.index_add"))
     return call.result(UNKNOWN)
 
 
