@@ -118,7 +118,7 @@ def study_body(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequen
                      f"micro-batched function (for BatchNorm's running statistics: eval mode).")
     return BodyFacts(shared, {path: flow.states[node] for path, node in outputs.items()}, tuple(texts),
                      target_mean_losses(program), batch_free_terms(outputs, flow.states),
-                     _size_numbers(outputs, reads))
+                     _size_numbers(outputs, (*reads.numbers, *_loss_mean_backwards(program))))
 
 
 def _row_numbers_read(program: Program, reads: SizeReads) -> str | None:
@@ -155,17 +155,18 @@ _IS_THE_NUMBER = (torch.ops.aten.lift_fresh_copy, torch.ops.aten.scalar_tensor, 
 """Ops whose result holds nothing but the number they read (`torch.tensor(b)`, `torch.full((), b)`)."""
 
 
-def _size_numbers(outputs: dict[str, fx.Node], reads: SizeReads) -> dict[str, tuple[str, ...]]:
-    """Per output path, the reads of the batch size as a number it is computed from, other than the
-    output itself being that number (`torch.tensor(b)`: its micro-batches' values add up to the batch's)."""
-    if not reads.numbers:
+def _size_numbers(outputs: dict[str, fx.Node], numbers: Sequence[tuple[fx.Node, str]]) -> dict[str, tuple[str, ...]]:
+    """Per output path, the reads of the batch size as a number it is computed from (`numbers`: each
+    reading op and its text), other than the output itself being that number (`torch.tensor(b)`: its
+    micro-batches' values add up to the batch's)."""
+    if not numbers:
         return {}
     found = {}
     for path, output in outputs.items():
         ancestors = set(_ancestors(output))
         if getattr(output.target, "overloadpacket", None) in _IS_THE_NUMBER:
             ancestors.discard(output)
-        texts = tuple(text for node, text in reads.numbers if node in ancestors)
+        texts = tuple(text for node, text in numbers if node in ancestors)
         if texts:
             found[path] = texts
     return found
@@ -190,6 +191,22 @@ def batch_free_terms(outputs: dict[str, fx.Node], states: dict[fx.Node, State]) 
             if any(isinstance(term, Reduced) for term in terms) and None in terms:
                 found[path] = describe(node)
                 break
+    return found
+
+
+def _loss_mean_backwards(program: Program) -> list[tuple[fx.Node, str]]:
+    """The backward ops of losses with reduction "mean" that divide by their element count inside the
+    kernel (`mse_loss_backward`, `smooth_l1_loss_backward`, ...): a read of the batch size as a number,
+    as `x.mean()`'s backward reads it in `div`, though no number in the graph shows it. Cross-entropy's
+    divides by the weight of its targets instead (`target_mean_losses`)."""
+    found = []
+    for node in program.graph.nodes:
+        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        if not name.endswith("_backward") or name.startswith("nll_loss"):
+            continue
+        if ops.bind_arguments(node.target, node.args, node.kwargs).get("reduction") == 1:
+            found.append((node, f"{describe(node)} divides by its element count, which counts the batch rows "
+                                f"(reduction='mean')"))
     return found
 
 

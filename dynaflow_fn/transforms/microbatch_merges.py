@@ -80,6 +80,10 @@ def _merge_warning(where: str, state: State, axis: Any, rank: int, sized: bool) 
         return (f"microbatch: {where} averages over the batch rows (by {state.by}), but out_axes \"sum\" adds up the "
                 f"micro-batches' averages, which is not the batch's average. Give it out_axes \"mean\" (weighted by "
                 f"rows), or sum it over the rows and divide by a count passed in unsplit.")
+    if isinstance(state, Reduced) and axis == "mean" and not state.mean and not sized:
+        return (f"microbatch: {where} adds up the batch rows (by {state.by}), but out_axes \"mean\" averages the "
+                f"micro-batches' sums, which gives the batch's sum divided by the number of micro-batches. Give it "
+                f"out_axes \"sum\", or average over the rows (.mean(), reduction=\"mean\") to merge it by \"mean\".")
     if isinstance(state, Reduced) and isinstance(axis, int):
         return (f"microbatch: {where} is reduced over the batch rows (by {state.by}), but out_axes "
                 f"concatenates it along axis {axis}: that gives one reduction per micro-batch, not one over the "

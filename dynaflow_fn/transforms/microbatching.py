@@ -253,7 +253,7 @@ def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, *
     if p.num > 1:
         facts = p.body_facts(body, tree, leaves, [path_to_str(path, names) for path in paths], axes, chunk_sizes[0])
     recorder = active_recorder()
-    report = recorder is not None and not studying()
+    report = not studying()
     if report:
         for text in facts.warnings:
             warn(text)

@@ -164,9 +164,10 @@ def test_the_body_is_studied_once_per_input_signature(monkeypatch):
     assert len(traced) == 4
 
 
-def test_the_body_study_keys_static_floats_by_their_bits(monkeypatch):
+def test_the_body_study_keys_static_floats_by_their_bits(monkeypatch, no_microbatch_warnings):
     """A NaN static argument is the same signature on every call (`nan != nan` would never hit), and
-    0.0 and -0.0 are two (`0.0 == -0.0`, but they trace to different constants)."""
+    0.0 and -0.0 are two (`0.0 == -0.0`, but they trace to different constants). A NaN in both traces
+    is the same number, not one read from the batch size."""
     traced = []
     original = microbatch_body.trace_function
     monkeypatch.setattr(microbatch_body, "trace_function", lambda *a, **k: traced.append(a[0]) or original(*a, **k))
@@ -493,8 +494,10 @@ def test_an_output_that_reads_the_rows_kept_from_the_first_micro_batch_warns(fn)
     (lambda x: x.mean(0), "sum", r"out averages over the batch rows \(by aten\.mean\.dim\), but out_axes \"sum\""),
     (lambda x: x.flip(1).amax(0), "mean", r"by aten\.amax, which is not a sum or mean"),
     (lambda x: nn.functional.mse_loss(x, x * 2), "sum", r"averages over the batch rows \(by aten\.mse_loss\)"),
+    (lambda x: x.pow(2).sum(), "mean", r"out adds up the batch rows \(by aten\.sum\), but out_axes \"mean\" averages"),
+    (lambda x: nn.functional.mse_loss(x, x * 2, reduction="sum"), "mean", r"out adds up the batch rows"),
 ], ids=["variance", "max", "first-row", "norm", "root-of-sum", "ratio-of-sums", "mean-summed", "mean-loss-summed",
-        "max-after-a-flip"])
+        "max-after-a-flip", "sum-averaged", "sum-loss-averaged"])
 def test_a_reduction_other_than_a_sum_of_rows_merged_by_sum_or_mean_warns(fn, out_axes, match):
     """The micro-batches' variances, maxima or norms do not add up, nor average, to the batch's."""
     x = torch.randn(6, 3)
@@ -537,6 +540,31 @@ def test_attention_across_the_batch_rows_warns_and_attention_beside_them_does_no
         got = df.jit(T.microbatch(fn, num=2, in_axes=1, out_axes=1))(x)
     assert _microbatch_warnings(record) == []
     torch.testing.assert_close(got, fn(x))
+
+
+def test_a_reduction_merged_against_its_kind_warns_when_called_eagerly_too():
+    """Called without df.jit, the micro-batches run one after another: their merge is as wrong there."""
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=r"out averages over the batch rows \(by aten\.mean\.dim\)"):
+        got = T.microbatch(lambda x: x.mean(0), num=2, out_axes="sum")(x)
+    assert not torch.allclose(got, x.mean(0))
+
+
+@pytest.mark.parametrize("loss", [nn.functional.mse_loss, nn.functional.smooth_l1_loss, nn.functional.huber_loss,
+                                  nn.functional.soft_margin_loss],
+                         ids=["mse", "smooth-l1", "huber", "soft-margin"])
+def test_gradients_of_a_loss_averaged_inside_its_backward_kernel_accumulate_by_mean_and_warn_summed(loss):
+    """`mse_loss_backward(reduction="mean")` divides by the element count inside the kernel: its
+    gradients are means over the rows, though no `div` by the batch size shows in the graph."""
+    step = df.value_and_grad(lambda p, x, y: loss(x @ p["w"], y))
+    params, x, y = {"w": torch.randn(8, 4)}, torch.randn(6, 8), torch.randn(6, 4).sign()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = df.jit(T.microbatch(step, num=2, in_axes=(None, 0, 0), out_axes="mean"))(params, x, y)
+    assert _microbatch_warnings(record) == []
+    torch.testing.assert_close(got, step(params, x, y))
+    with pytest.warns(UserWarning, match=r"_loss_backward divides by its element count, which counts the batch rows"):
+        df.jit(T.microbatch(step, num=2, in_axes=(None, 0, 0), out_axes="sum"))(params, x, y)
 
 
 def test_a_sum_divided_by_the_micro_batchs_rows_and_merged_by_mean_is_the_batch_mean_without_a_warning():
