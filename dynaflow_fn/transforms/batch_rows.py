@@ -32,7 +32,7 @@ from torch import fx
 from ..compat import OpOverload
 from ..errors import InternalError
 from ..ir import ops
-from .row_rules import reads_only_shapes, rule_for
+from .row_rules import fills_like, reads_only_shapes, rule_for
 from .row_states import UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, describe, each_result, record_finding
 
 
@@ -71,6 +71,8 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
         return whole[node.args[1]] if isinstance(whole, tuple) else whole
     if not isinstance(target, OpOverload):
         return each_result(node, UNKNOWN)
+    if fills_like(target) and isinstance(flow.states[node.args[0]], Rows):
+        return flow.states[node.args[0]]           # a filled copy of the rows' layout (CFG's zeros_like(cond))
     inputs = [flow.states[n] for n in reads_values(node)]
     if any(_has(state, UNKNOWN) for state in inputs):
         return each_result(node, UNKNOWN)

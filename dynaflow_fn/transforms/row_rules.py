@@ -35,6 +35,12 @@ def reads_only_shapes(op: OpOverload) -> bool:
     return op_info(op).packet in _SHAPE_ONLY
 
 
+def fills_like(op: OpOverload) -> bool:
+    """Whether `op` makes a tensor of its first argument's shape filled with one value (`zeros_like`):
+    laid out as that argument's rows, each row the same as every other."""
+    return op_info(op).packet in _FILLED_LIKE
+
+
 def _is_reduction(op: OpOverload) -> bool:
     tag = getattr(torch.Tag, "reduction", None)
     return tag is not None and tag in op_info(op).tags
@@ -46,6 +52,8 @@ _SHAPE_ONLY = frozenset({
     "aten.new_ones", "aten.new_full",
 })
 """Ops that read only the shape, dtype and device of their tensor arguments, never their values."""
+
+_FILLED_LIKE = frozenset({"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like"})
 
 _RULES: dict[str, Callable[[RuleCall], State]] = {**TENSOR_RULES, **LAYER_RULES}
 """Every op the analysis models, by its packet."""

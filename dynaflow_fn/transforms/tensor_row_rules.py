@@ -159,16 +159,35 @@ def _select(call: RuleCall) -> State:
 def _slice(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank()
-    if dim == state.axis and call.shape()[dim] != call.shape(call.bound["self"])[dim]:
-        return call.result(call.reduced(sum_of_rows=False))          # some rows picked
-    return call.result(state)
+    size = call.shape(call.bound["self"])[dim]
+    if dim != state.axis or call.shape()[dim] == size:
+        return call.result(state)
+    start = call.bound.get("start") or 0
+    block = _block(state, call.rows, call.bound.get("step", 1), (start + size if start < 0 else start) % size,
+                   call.shape()[dim])
+    return call.result(block if block is not None else call.reduced(sum_of_rows=False))   # else: some rows picked
+
+
+def _block(state: Rows, rows: int, step: int, start: int, length: int) -> Rows | None:
+    """The rows of elements `start:start + length` along the axis of `state`, when they are whole
+    copies of the batch's rows (`cat([u, c])[b:]`, a `chunk` of it): the axis holds `state.outer`
+    such copies, each `rows * inner` long."""
+    copy = rows * state.inner
+    if state.outer == 1 or step != 1 or not length or start % copy or length % copy:
+        return None
+    return Rows(state.axis, length // copy, state.inner)
 
 
 def _cat(call: RuleCall) -> State:
+    """Along another axis than the rows', each row joins its own row. Along the rows' axis, tensors
+    with the same rows make an axis holding several copies of the batch (`cat([x, x])` or
+    `cat([zeros_like(c), c])`, classifier-free guidance), which `chunk` and slices take apart again."""
     tensors = call.bound["tensors"]
     dim = call.bound.get("dim", 0) % call.rank()
     states = [call.flow.states[t] for t in tensors if isinstance(call.flow.states[t], Rows)]
     state = same_rows(states)
+    if state is not UNKNOWN and state.axis == dim and len(states) == len(tensors) > 1:
+        return call.result(Rows(dim, state.outer * len(tensors), state.inner))
     if state is not UNKNOWN and state.axis == dim and _shifted(call, tensors, dim):
         return call.report("concatenates along the batch axis after other values, so rows of the result sit at "
                            "other positions than the batch's rows")
@@ -201,9 +220,15 @@ def _stack(call: RuleCall) -> State:
 def _split(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank(call.bound["self"])
-    if dim == state.axis and len(call.node.meta["val"]) > 1:
-        return _cut_into_pieces(call)
-    return call.result(UNKNOWN if dim == state.axis else state)
+    if dim != state.axis:
+        return call.result(state)
+    pieces, start = [], 0
+    for piece in call.node.meta["val"]:
+        pieces.append(_block(state, call.rows, 1, start, piece.shape[dim]))
+        start += piece.shape[dim]
+    if None not in pieces:
+        return tuple(pieces)                         # whole copies of the batch, taken apart
+    return _cut_into_pieces(call) if len(pieces) > 1 else call.result(UNKNOWN)
 
 
 def _unbind(call: RuleCall) -> State:

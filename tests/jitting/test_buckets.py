@@ -13,7 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.errors import InputError, TraceError
 from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BatchLayout
-from models import MLP, Block
+from models import MLP, Block, guided_denoiser
 
 
 def _features(x, scale):
@@ -305,6 +305,17 @@ def test_an_output_returned_whole_that_reads_the_batch_rows_warns(fn, message):
     with pytest.warns(UserWarning, match=message):
         got = fast(x, y)
     assert got.shape != fn(x, y).shape or not torch.allclose(got, fn(x, y))
+
+
+@pytest.mark.parametrize("take_apart", ["chunk", "split", "slice"])
+def test_classifier_free_guidance_pads_exactly_without_a_warning(take_apart):
+    guided = guided_denoiser(take_apart)
+    fast = df.jit(guided, buckets=(8,), in_axes=0)
+    x, cond = torch.randn(5, 8), torch.randn(5, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fast(x, cond)
+    torch.testing.assert_close(got, guided(x, cond))
 
 
 def test_linspace_over_the_batch_size_warns():

@@ -13,7 +13,7 @@ import dynaflow_fn as df
 from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
 from dynaflow_fn.transforms import microbatch_body
-from models import MLP, Block, ConvNet, TwoBranch, llama_logits, tiny_llama
+from models import MLP, Block, ConvNet, TwoBranch, guided_denoiser, llama_logits, tiny_llama
 
 
 def _assert_equals_the_unsplit_function(fn, step, *args):
@@ -225,6 +225,28 @@ _MOVING_ROWS_IDS = ["pairs-by-broadcasting", "max-pool-over-the-batch", "padded-
 
 @pytest.mark.parametrize("fn, match", _MOVING_ROWS, ids=_MOVING_ROWS_IDS)
 def test_ops_that_pair_pool_shift_or_cut_the_rows_give_other_values_than_the_unsplit_function(fn, match):
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=match):
+        got = df.jit(T.microbatch(fn, num=2))(x)
+    assert got.shape != fn(x).shape or not torch.allclose(got, fn(x))
+
+
+@pytest.mark.parametrize("take_apart", ["chunk", "split", "slice"])
+def test_classifier_free_guidance_splits_exactly_without_a_warning(take_apart, no_microbatch_warnings):
+    """`cat([x, x])` along the batch holds two copies of the rows; `chunk`, `split` or a slice at the
+    batch size gives each copy back, row for row."""
+    guided = guided_denoiser(take_apart)
+    x, cond = torch.randn(6, 8), torch.randn(6, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(df.jit(T.microbatch(guided, num=2))(x, cond), guided(x, cond))
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda x: torch.cat([x, x * 2]) + 1, r"out interleaves the batch rows with another dimension in axis 0"),
+    (lambda x: torch.cat([x, x * 2]).chunk(3)[0] + 1, r"aten\.split\.Tensor cuts the batch axis into pieces"),
+    (lambda x: torch.cat([x, x * 2])[1:7] + 1, r"out is reduced over the batch rows \(by aten\.slice\.Tensor\)"),
+], ids=["copies-returned", "chunked-across-copies", "sliced-across-copies"])
+def test_copies_of_the_batch_cut_or_returned_otherwise_than_copy_by_copy_warn(fn, match):
     x = torch.randn(6, 3)
     with pytest.warns(UserWarning, match=match):
         got = df.jit(T.microbatch(fn, num=2))(x)
