@@ -10,6 +10,7 @@ a graph whose sizes depend on tensor data cannot be planned at all (`check_sizes
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,6 +32,9 @@ _INFERENCE_ONLY_OPTIONS = ("static_outputs", "persistent_argnums", "donate_argnu
 """df.jit options that apply to inference graphs only: a training graph's outputs must outlive the
 next call, and its inputs are AOTAutograd's, not the positions the caller sees."""
 
+_PASSED_ON_OPTIONS = ("progress", *_INFERENCE_ONLY_OPTIONS)
+"""The df.jit options compile_backend passes on as given; it sets the others itself per graph."""
+
 
 class CompileBackend:
     """A `torch.compile` backend that runs each captured graph through `df.jit`.
@@ -46,6 +50,8 @@ class CompileBackend:
             raise InputError(f"compile_backend takes in_axes=None or 'arguments', got {in_axes!r}")
         if in_axes is not None and strategy != "auto":
             raise InputError("in_axes='arguments' tells strategy='auto' what to micro-batch; pass strategy='auto'")
+        _check_passed_on(jit_options)
+        JitOptions(backend=backend, strategy=strategy, **jit_options)   # bad values fail here, not at the first call
         self.strategy = strategy
         self.transforms = transforms
         self.backend = backend
@@ -154,6 +160,18 @@ class CompileBackend:
             return compat.boxed(TrainingGraph(graph_module, example_inputs, name, lambda fn, persistent: self._jitted(
                 fn, {**options, "persistent_argnums": persistent})))
         return compile_graph
+
+
+def _check_passed_on(jit_options: dict[str, Any]) -> None:
+    """Refuse an option compile_backend does not take when the backend is made: Dynamo would report
+    it only at the first compiled call, wrapped in BackendCompilerFailed."""
+    unknown = [name for name in jit_options if name not in _PASSED_ON_OPTIONS]
+    if not unknown:
+        return
+    taken = ("strategy", "transforms", "backend", "in_axes", "buckets", *_PASSED_ON_OPTIONS)
+    close = difflib.get_close_matches(unknown[0], taken, n=1)
+    raise InputError(f"compile_backend got an unexpected option {unknown[0]!r}"
+                     f"{f' (did you mean {close[0]!r}?)' if close else ''}; it takes {', '.join(taken)}")
 
 
 def _assembled(computed: Callable[..., Any], assemble: fx.GraphModule) -> Callable[..., Any]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dynaflow_fn as df
+from dynaflow_fn.errors import InputError
 from dynaflow_fn.passes.inductor import CompiledRun
 from dynaflow_fn.jitting.replayer import Replayer
 from models import MLP, Block, ConvNet, tiny_causal_lm, tiny_llama
@@ -165,6 +166,17 @@ def test_generate_through_transformers_own_compile_with_this_backend_captures_ea
 def test_a_copy_of_the_backend_is_the_backend_so_its_graphs_stay_visible():
     backend = df.compile_backend(progress=False)
     assert copy.deepcopy({"backend": backend})["backend"] is backend
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bucket=(2, 4)), r"unexpected option 'bucket' \(did you mean 'buckets'\?\)"),
+    (dict(out_axes=0), r"unexpected option 'out_axes'.*it takes strategy, transforms, backend"),
+    (dict(backend="cudagraphs"), r"unknown backend 'cudagraphs'"),
+    (dict(progress=False, strategy="tbo"), r"strategy=None or 'auto'"),
+], ids=["misspelled", "set-per-graph", "unknown-backend", "fixed-strategy"])
+def test_bad_options_are_refused_when_the_backend_is_made_not_at_the_first_compiled_call(options, message):
+    with pytest.raises(InputError, match=message):
+        df.compile_backend(**options)
 
 
 def test_mode_reduce_overhead_is_what_df_plans_are_and_inductors_other_settings_are_refused():
