@@ -9,6 +9,7 @@ tensor among the differentiated arguments is reported by its path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,8 @@ import torch
 
 from .errors import InputError
 from .ir import tree
+from .ir.scopes import ScopeKind
+from .tracing.regions import active_recorder
 
 
 def _check_differentiable(fn: Callable[..., Any], args: tuple, argnums: int | Sequence[int]) -> None:
@@ -81,7 +84,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has
             out = checked(*args, **kwargs)
             loss = out[0] if has_aux else out
             every_leaf = [leaf for leaves, _ in flat for leaf in leaves]
-            grads = torch.autograd.grad(loss, every_leaf, allow_unused=True)
+            with _backward_scope():
+                grads = torch.autograd.grad(loss, every_leaf, allow_unused=True)
         grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, every_leaf)]
         trees, start = [], 0
         for leaves, spec in flat:
@@ -91,6 +95,13 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has
         return value, trees[0] if isinstance(argnums, int) else tuple(trees)
 
     return value_and_grad_fn
+
+
+def _backward_scope() -> contextlib.AbstractContextManager:
+    """While traced, the gradient's nodes in a scope of their own: a transform that rewrites forward
+    nodes (`T.substitute`) can tell that the gradient was traced through the original ones."""
+    recorder = active_recorder()
+    return contextlib.nullcontext() if recorder is None else recorder.scope(ScopeKind.BACKWARD, "grad")
 
 
 def _detached(leaf: Any) -> Any:

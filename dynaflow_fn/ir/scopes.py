@@ -1,4 +1,4 @@
-"""Scopes: the module call, `df.region` block or micro-batch a traced node came from.
+"""Scopes: the module call, `df.region` block, micro-batch or gradient computation a traced node came from.
 
 Tracing tags every node with the scopes open when it appeared (`tracing.regions`); partition rules
 and printing read them.
@@ -16,6 +16,7 @@ class ScopeKind(StrKind):
     REGION = "region"                # a `with df.region(name)` block
     MICROBATCH = "microbatch"        # one micro-batch body of `T.microbatch`
     SUBSTITUTION = "substitution"    # nodes `T.substitute` put in place of a match
+    BACKWARD = "backward"            # the gradients `df.value_and_grad` and `df.grad` compute
 
 
 @dataclass(frozen=True)
@@ -44,4 +45,6 @@ class Scope:
             return f"mb{self.index}"
         if self.kind is ScopeKind.SUBSTITUTION:
             return f"substituted by {self.name}"
+        if self.kind is ScopeKind.BACKWARD:
+            return "backward"
         return f"region({self.name})"

@@ -113,6 +113,7 @@ class RegionSubstitution(Pass):
             if not matches:
                 raise TransformError(f"{rule} matched nothing: {rule.unmatched_hint(program)}")
             for nodes in matches.values():
+                _refuse_differentiated(graph_module.graph, nodes, rule)
                 match = RegionMatch(nodes)
                 replacement = trace_impl(impl, match, str(rule))
                 if self.check:
@@ -129,6 +130,23 @@ class RegionSubstitution(Pass):
 
     def describe(self) -> str:
         return f"substitute({_rules_text(self.rules)}{', check=True' if self.check else ''})"
+
+
+def _refuse_differentiated(graph: torch.fx.Graph, nodes: list, rule: Region) -> None:
+    """Refuse to replace forward nodes of a function that differentiates through them: the gradient
+    (`df.value_and_grad`'s, traced in a BACKWARD scope) was traced through the original ops, so beside
+    `impl`'s values it would give the original's derivative, not `impl`'s."""
+    def backward(node: torch.fx.Node) -> bool:
+        return any(scope.kind is ScopeKind.BACKWARD for scope in info(node).scopes)
+
+    inside = set(nodes)
+    if all(backward(node) for node in nodes) or not any(backward(n) for n in graph.nodes if n not in inside):
+        return
+    raise TransformError(f"{rule} is differentiated: the function computes gradients through it (df.value_and_grad "
+                         f"or df.grad), traced through the region's own ops, so with the region replaced they would "
+                         f"not be the gradients of the implementation. Substitute first, then differentiate: "
+                         f"df.value_and_grad(T.substitute(f, rules)), or replace a region that holds the gradient "
+                         f"computation too")
 
 
 class ModuleLookaside(Pass):

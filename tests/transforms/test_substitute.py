@@ -252,3 +252,45 @@ def test_calling_a_region_substitution_eagerly_computes_what_its_plan_computes()
     with torch.no_grad():
         torch.testing.assert_close(substituted(params, x), df.jit(substituted)(params, x), rtol=0, atol=0)
         assert not torch.equal(substituted(params, x), fn(params, x))        # unfused != the fused kernel, bitwise
+
+
+def _doubled_then_squared(x):
+    with df.region("scale"):
+        y = x.sin() * 2
+    return (y * y).sum()
+
+
+def _tripled(x):                      # not the region's values: its gradient differs from the region's
+    return x.cos() * 3
+
+
+@pytest.mark.parametrize("eagerly", [False, True], ids=["jitted", "eager"])
+def test_a_region_of_a_differentiated_function_is_refused_since_its_gradient_was_traced_through_the_original(
+        eagerly):
+    """The gradient df.value_and_grad traces goes through the region's own ops; replacing the forward
+    nodes alone would pair impl's loss with the original's derivative."""
+    substituted = T.substitute(df.value_and_grad(_doubled_then_squared), {T.Region("scale"): _tripled})
+    with pytest.raises(TransformError, match=r"T\.Region\('scale'\) is differentiated.*Substitute first, then "
+                                             r"differentiate"):
+        (substituted if eagerly else df.jit(substituted))(torch.randn(4, 5))
+
+
+def test_substituting_before_differentiating_gives_the_implementations_gradient():
+    x = torch.randn(4, 5)
+    loss, grad = df.jit(df.value_and_grad(T.substitute(_doubled_then_squared, {T.Region("scale"): _tripled})))(x)
+    leaf = x.clone().requires_grad_(True)
+    expected = _tripled(leaf).pow(2).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(grad, leaf.grad)
+
+
+def test_a_region_that_holds_the_gradient_computation_too_can_be_replaced():
+    def step(x):
+        with df.region("step"):
+            return df.value_and_grad(lambda x: (x * 2).pow(2).sum())(x)
+
+    x = torch.randn(4, 5)            # the region computes the gradient first: impl returns (grad, loss)
+    loss, grad = df.jit(T.substitute(step, {T.Region("step"): lambda x: (18 * x, (x * 3).pow(2).sum())}))(x)
+    torch.testing.assert_close(grad, 18 * x)
+    torch.testing.assert_close(loss, (x * 3).pow(2).sum())
