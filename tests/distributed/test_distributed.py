@@ -1,9 +1,11 @@
 """Collectives on two CPU processes (gloo): same plan on every rank, results equal the one-process model,
 and mismatches end in an error, never a hang (every test runs under a deadline)."""
 
+import contextlib
 import os
 import socket
 import sys
+import threading
 import traceback
 
 import pytest
@@ -27,7 +29,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, task, queue):
+def _worker(rank, world, port, task, queue, finished):
+    """Run `task` on one rank and report it. The rank leaves only when every rank is done (`finished`,
+    a barrier of the processes): one that closed its connections early, having nothing to do, made gloo
+    fail the setup of a slower rank with "Connection closed by peer"."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         import datetime
@@ -37,6 +42,8 @@ def _worker(rank, world, port, task, queue):
     except Exception:
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            finished.wait(timeout=DEADLINE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -50,8 +57,9 @@ def queue_empty():
 def _spawn(task, world=2):
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, world, port, task, queue)) for rank in range(world)]
+    port, finished = _free_port(), context.Barrier(world)
+    processes = [context.Process(target=_worker, args=(rank, world, port, task, queue, finished))
+                 for rank in range(world)]
     for p in processes:
         p.start()
     results = {}
