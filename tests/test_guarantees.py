@@ -375,6 +375,27 @@ def test_threads_calling_one_jitted_function_get_their_own_results():
     assert fast.cache_info().misses == 1
 
 
+def test_jitted_functions_of_one_module_traced_on_several_threads_at_once_get_their_own_results():
+    """A trace swaps the module's parameters for fake tensors while it runs (df.pure): another thread
+    fingerprinting that module for its own new plan saw the fakes, and the trace then found them held
+    by that thread's fingerprint (a TraceError), or the fingerprint kept them."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+    fn, params = df.pure(model)
+    inputs = [torch.randn(3 + k, 32) for k in range(6)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    wrong = []
+
+    def work(seed):
+        for x, want in zip(inputs, expected):            # a new jitted function and a new trace each time
+            with torch.no_grad():
+                if not torch.equal(df.jit(fn, progress=False)(params, x), want):
+                    wrong.append((seed, tuple(x.shape)))
+
+    run_together(work, threads=4)                        # raises what any thread raised
+    assert not wrong, f"wrong results (thread, input shape): {wrong}"
+
+
 def test_tracing_ignores_module_calls_of_other_threads():
     traced_model = DropoutNet().eval()
     other = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

@@ -34,6 +34,7 @@ from torch.nn.modules import module as module_file
 
 from .. import compat
 from ..ir.tree import static_key
+from ..tracing.tracer import no_trace_running
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _GLOBAL_HOOKS = tuple(name for name in vars(module_file) if name.startswith("_global_") and name.endswith("hooks"))
@@ -100,7 +101,13 @@ def _fingerprint(objects: Sequence[Any], keep: list) -> tuple:
     """The Python state of `objects`: per object its class and each attribute (`training` aside), a
     scalar by value, a dict by its items (a hook dict by its handle ids, which are never reused), any
     other value by identity (`methods`' bindings aside). `keep` receives what the identities refer to, so that no id is reused
-    while the fingerprint lives. About 5 us a module: it runs only after a change."""
+    while the fingerprint lives. About 5 us a module: it runs only after a change, and never while
+    another thread traces (which swaps parameters for fakes: `no_trace_running`)."""
+    with no_trace_running():
+        return _fingerprint_now(objects, keep)
+
+
+def _fingerprint_now(objects: Sequence[Any], keep: list) -> tuple:
     parts: list[Any] = []
     for obj in objects:
         keep.append(obj)
@@ -140,14 +147,16 @@ class ObjectWatch:
         self.instances = tuple(o for o in roots if not isinstance(o, torch.nn.Module) and hasattr(o, "__dict__"))
         for module in self.modules:
             _watch(module)
-        self.tick = changes.tick if _observed else None   # read before the fingerprint: later changes are seen
         self._differs_at: int | None = None                # a tick at which the modules were found changed
         self._keep: list[Any] = []
-        self._modules = self._modules_now(self._keep)
-        self._instances = _fingerprint(self.instances, self._keep)
-        self._identities = [list(vars(o).values()) for o in self.instances]
-        self._hooks = [(owner, name, tuple(hooks)) for owner in (*self.modules, module_file) if self.modules
-                       for name, hooks in vars(owner).items() if "hooks" in name and isinstance(hooks, dict) and hooks]
+        with no_trace_running():                           # not another trace's fakes and hooks
+            self.tick = changes.tick if _observed else None   # read before the fingerprint: later changes are seen
+            self._modules = self._modules_now(self._keep)
+            self._instances = _fingerprint(self.instances, self._keep)
+            self._identities = [list(vars(o).values()) for o in self.instances]
+            self._hooks = [(owner, name, tuple(hooks)) for owner in (*self.modules, module_file) if self.modules
+                           for name, hooks in vars(owner).items()
+                           if "hooks" in name and isinstance(hooks, dict) and hooks]
 
     @property
     def watches_anything(self) -> bool:
@@ -190,4 +199,5 @@ class ObjectWatch:
         return True
 
     def _modules_now(self, keep: list) -> tuple:
-        return (_fingerprint(self.modules, keep), _global_hooks()) if self.modules else ()
+        with no_trace_running():                           # the global hooks a trace adds while it runs
+            return (_fingerprint(self.modules, keep), _global_hooks()) if self.modules else ()

@@ -55,6 +55,13 @@ _TRACING = threading.RLock()
 two threads tracing at once corrupt each other: traces take turns."""
 
 
+def no_trace_running() -> threading.RLock:
+    """The lock a trace holds while it runs. A trace changes shared Python state meanwhile (`df.pure`
+    swaps a module's parameters for fake tensors), so another thread that reads that state, to
+    fingerprint the module, takes it first: it sees the module as it is between traces."""
+    return _TRACING
+
+
 @dataclass(frozen=True)
 class TraceSource:
     """What a Program was traced from, so a transform that changes the trace (microbatch) can trace again.
