@@ -9,6 +9,7 @@ must have the same shapes, dtypes and strides.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -93,7 +94,9 @@ def trace_impl(impl: Callable[..., Any], match: RegionMatch, rule: str) -> Progr
         if ops.is_mutating(node.target):
             raise TransformError(f"{rule} matched a region that writes {_format_target(node)} in place; only "
                                  f"regions without side effects can be substituted")
-    replacement = trace_function(impl, tuple(match.input_specs(rule)), {}, fake_mode=match.fake_mode())
+    specs = match.input_specs(rule)
+    _check_arity(impl, match, specs, rule)
+    replacement = trace_function(impl, tuple(specs), {}, fake_mode=match.fake_mode())
     if replacement.closed_over:
         names = ", ".join(c.name for c in replacement.closed_over)
         raise TransformError(f"the implementation for {rule} closes over tensors ({names}); pass what it reads "
@@ -108,6 +111,30 @@ def trace_impl(impl: Callable[..., Any], match: RegionMatch, rule: str) -> Progr
     for index, (old, new) in enumerate(zip(match.outputs, produced)):
         check_layout(rule, index, old.meta["val"], new.meta["val"], "the region produces", old.name)
     return replacement
+
+
+def call_mismatch(impl: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """Why `impl(*args, **kwargs)` cannot bind its arguments (Python's words), or None: read before
+    the call, so that the error can say what the implementation is called with, which Python's own
+    TypeError, raised from inside a trace, would not."""
+    try:
+        inspect.signature(impl).bind(*args, **kwargs)
+    except TypeError as error:
+        return str(error)
+    except ValueError:              # no signature to read (a builtin): the call itself will tell
+        pass
+    return None
+
+
+def _check_arity(impl: Callable[..., Any], match: RegionMatch, specs: Sequence[TensorSpec], rule: str) -> None:
+    """Refuse an implementation that cannot take the region's inputs, naming them."""
+    mismatch = call_mismatch(impl, specs, {})
+    if mismatch is not None:
+        inputs = ", ".join(f"{node.name} {type_str(node.meta['val'])}" for node in match.inputs) or "none"
+        count = f"{len(specs)} input{'' if len(specs) == 1 else 's'}"
+        raise TransformError(f"the implementation for {rule} cannot take the region's {count} ({mismatch}); "
+                             f"it is called with the tensors the region reads from outside, in the order it first "
+                             f"reads them: {inputs}")
 
 
 def check_layout(rule: str, index: int, expected: torch.Tensor, got: Any, original: str, name: str = "") -> None:

@@ -38,7 +38,7 @@ from ..ir.scopes import Scope, ScopeKind
 from ..tracing.regions import active_recorder, last_node, nodes_after
 from .base import Pass, apply_transform, record, retraced
 from .partition_rules import Module, Region, Rule
-from .splicing import DEFAULT_TOLERANCES, RegionMatch, check_agrees, check_layout, splice, trace_impl
+from .splicing import DEFAULT_TOLERANCES, RegionMatch, call_mismatch, check_agrees, check_layout, splice, trace_impl
 
 
 def substitute(fn: Any = None, rules: Mapping[Rule, Callable[..., Any]] | None = None, *, check: bool = False,
@@ -261,6 +261,11 @@ def _lookaside(module: torch.nn.Module, rule: Module, impl: Callable[..., Any], 
 
     def substituted(*args: Any, **kwargs: Any) -> Any:
         calls[rule] += 1
+        mismatch = call_mismatch(impl, (module, *args), kwargs)
+        if mismatch is not None:
+            raise TransformError(f"the implementation for {rule} is called as impl(module, *args, **kwargs) with "
+                                 f"the {type(module).__name__} and the {len(args)} positional and {len(kwargs)} "
+                                 f"keyword arguments of its call, and cannot take them ({mismatch})")
         recorder = active_recorder()
         if recorder is None:                       # the transformed function called eagerly
             return impl(module, *args, **kwargs)

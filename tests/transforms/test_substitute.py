@@ -214,6 +214,16 @@ def test_an_implementation_of_the_wrong_shape_is_named_with_both_layouts():
                                    .transpose(0, 1)}), params, x)
 
 
+def test_an_implementation_that_cannot_take_what_it_is_called_with_says_what_that_is():
+    fn, params, x = block_and_input()
+    with pytest.raises(TransformError, match=r"T\.Region\('attn'\) cannot take the region's \d+ inputs \(.*\); it is "
+                                             r"called with the tensors the region reads from outside.*f32\[2, 6, 32\]"):
+        df.trace(T.substitute(fn, {T.Region("attn"): lambda a: a}), params, x)
+    with pytest.raises(TransformError, match=r"T\.Module\(attn\.qkv\) is called as impl\(module, \*args, \*\*kwargs\) "
+                                             r"with the Linear and the 1 positional and 0 keyword arguments"):
+        df.trace(T.substitute(fn, {T.Module("attn.qkv"): lambda x: x}), params, x)
+
+
 def test_an_implementation_that_writes_its_inputs_is_refused():
     fn, params, x = block_and_input()
     with pytest.raises(TransformError, match="writes one of its inputs in place"):
