@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 
 from ..ir.tree import output_path_to_str
 
 
-def first_difference(got: Any, expected: Any, exact: bool) -> str | None:
+def first_difference(got: Any, expected: Any, exact: bool = False) -> str | None:
     """None if `got` matches `expected` (bit for bit with `exact`, else within the dtype's tolerance,
     as `torch.testing.assert_close` judges); otherwise what differs: the structure, or the first
     leaf (by its path, `out[1]['logits']`) with its largest difference and where it is."""
@@ -26,19 +28,36 @@ def first_difference(got: Any, expected: Any, exact: bool) -> str | None:
 
 
 def _leaf_difference(got: Any, expected: Any, exact: bool) -> str | None:
+    if isinstance(got, np.ndarray) and isinstance(expected, np.ndarray):   # compared as tensors are
+        got, expected = torch.from_numpy(got), torch.from_numpy(expected)
     tensors = isinstance(got, torch.Tensor), isinstance(expected, torch.Tensor)
     if tensors == (False, False):
-        return None if got == expected else f"is {got!r}, expected {expected!r}"
+        return None if _same_number(got, expected, exact) else f"is {got!r}, expected {expected!r}"
     if not all(tensors):                        # `tensor == 3` is a tensor, no answer: say what each is
         return f"is {_described(got)}, expected {_described(expected)}"
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return (f"is {_kind(got)}, expected {_kind(expected)}")
+    if got.is_meta or expected.is_meta:         # shapes and dtypes only: a meta tensor holds no values
+        return None if got.is_meta and expected.is_meta else \
+            f"is a {'meta' if got.is_meta else got.device.type} tensor, expected a " \
+            f"{'meta' if expected.is_meta else expected.device.type} one: values of meta tensors cannot be compared"
     got, expected = got.detach().cpu(), expected.detach().cpu()
     try:
         torch.testing.assert_close(got, expected, equal_nan=True, **({"rtol": 0, "atol": 0} if exact else {}))
     except AssertionError:
         return _largest(got, expected, exact)
     return None
+
+
+def _same_number(got: Any, expected: Any, exact: bool) -> bool:
+    """Non-tensor leaves: equal, or (not `exact`) floats within float32's tolerance; NaN matches NaN,
+    as it does in tensors."""
+    if isinstance(got, float) and isinstance(expected, float):
+        if math.isnan(got) and math.isnan(expected):
+            return True
+        return got == expected or (not exact and math.isclose(got, expected, rel_tol=1.3e-6, abs_tol=1e-5))
+    same = got == expected
+    return same if isinstance(same, bool) else False
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from optree import tree_leaves
 
-from ..errors import EquivalenceError
+from ..errors import EquivalenceError, InputError
 from ..jitting.jitted import jit
 from ..transforms.base import Transformed
 from ..transforms.microbatching import MicrobatchPass
@@ -43,6 +43,8 @@ def assert_equivalent(fn: Callable[..., Any], transformed: Callable[..., Any], *
     A failure is an AssertionError naming the first differing output leaf by its path, its largest
     difference, the draw's batch size and seed; `seed=` reruns exactly that draw first.
     """
+    if not isinstance(draws, int) or draws < 1:
+        raise InputError(f"assert_equivalent needs draws of at least 1, got {draws!r}: with none, nothing is compared")
     exact = isinstance(transformed, Transformed) if exact is None else exact
     if in_axes is None:
         in_axes = _microbatch_in_axes(transformed)

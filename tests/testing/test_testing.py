@@ -7,13 +7,14 @@ import subprocess
 import sys
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
 import dynaflow_fn as df
 from dynaflow_fn import testing as dft
 from dynaflow_fn import transforms as T
-from dynaflow_fn.errors import TransformError
+from dynaflow_fn.errors import InputError, TransformError
 from dynaflow_fn.ir.program import copy_graph_module
 from dynaflow_fn.transforms.base import apply_transform, record
 from example_loader import load_example
@@ -213,6 +214,28 @@ def test_a_batch_axis_on_a_tensor_without_it_is_an_input_error():
 ], ids=["tensor-vs-int", "int-vs-tensor", "0-dim-vs-float", "complex"])
 def test_differences_between_tensors_and_other_values_are_named(got, expected, message):
     assert re.search(message, dft.first_difference(got, expected, exact=True))
+
+
+@pytest.mark.parametrize("got, expected, exact, message", [
+    (np.array([1.0, 2.0]), np.array([1.0, 3.0]), True, r"out differs \(compared bit for bit\): largest difference 1"),
+    (np.array([1.0, 2.0]), np.array([1.0, 2.0]), True, None),
+    (1.0, 1.0 + 1e-12, False, None),
+    (1.0, 1.0 + 1e-12, True, r"out is 1\.0, expected 1\.000000000001"),
+    (float("nan"), float("nan"), True, None),
+    (torch.empty(2, device="meta"), torch.empty(2, device="meta"), True, None),
+    (torch.empty(2, device="meta"), torch.zeros(2), True, r"out is a meta tensor, expected a cpu one"),
+], ids=["arrays-differ", "arrays-equal", "floats-within-tolerance", "floats-bit-for-bit", "nan-floats",
+        "meta-tensors", "meta-against-cpu"])
+def test_numpy_arrays_floats_and_meta_tensors_compare_as_tensors_do(got, expected, exact, message):
+    """Before: numpy leaves raised numpy's "truth value of an array is ambiguous", meta tensors
+    "Cannot copy out of meta tensor", and floats were compared bit for bit even with exact=False."""
+    found = dft.first_difference([got], [expected], exact=exact)
+    assert (found is None) if message is None else re.search(message.replace("out", r"out\[0\]"), found), found
+
+
+def test_assert_equivalent_refuses_to_compare_nothing():
+    with pytest.raises(InputError, match=r"draws of at least 1, got 0"):
+        dft.assert_equivalent(lambda x: x * 2, lambda x: x * 2, torch.randn(3), draws=0)
 
 
 class Nondeterministic(df.Scheduler):
