@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from ..errors import ScheduleError, TransformError
 from ..ir.program import NodeInfo, Program, Stream, copy_graph_module, info
+from ..ir.scopes import ScopeKind
 from .base import Pass, apply_transform, record
 from .partition_rules import Kind
 from .partitioning import PartitionPass
@@ -33,6 +34,7 @@ class OverlapPass(Pass):
     def apply(self, program: Program) -> Program:
         if program.is_scheduled():
             raise TransformError("overlap was already applied to this program; apply it once, last")
+        _refuse_nested_microbatches(program)
         if all(info(n).stage is None for n in program.ops()):
             program = PartitionPass(DEFAULT_RULES, warn_unmatched=False).apply(program)
         if self.comm_ctas is not None:
@@ -73,6 +75,16 @@ def _on_comm_group(program: Program, max_ctas: int) -> Program:
         node.args, node.kwargs = ops.replace_arguments(
             node.target, node.args, node.kwargs, {"group_name": comm_group_name(group, max_ctas)})
     return program.with_graph(graph_module)
+
+
+def _refuse_nested_microbatches(program: Program) -> None:
+    """The schedulers overlap one level of micro-batches: a node of a micro-batch inside a micro-batch
+    belongs to two of them, and the default partition cuts them into stages that wait on each other."""
+    for node in program.ops():
+        if sum(scope.kind is ScopeKind.MICROBATCH for scope in info(node).scopes) > 1:
+            raise TransformError("overlap schedules one level of micro-batches, but this program applies T.microbatch "
+                                 "to a function that T.microbatch already splits; split once instead, with num the "
+                                 "product of the two")
 
 
 def _as_list(result: Any, scheduler: Scheduler, method: str, items: str) -> list[Any]:

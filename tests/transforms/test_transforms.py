@@ -185,6 +185,16 @@ def test_microbatch_after_overlap_is_an_error():
         T.microbatch(scheduled, num=2, in_axes=(None, 0))
 
 
+@pytest.mark.parametrize("strategy", ["sequential", "roundrobin", "tbo", "branches"])
+def test_overlap_of_micro_batches_nested_in_micro_batches_says_to_split_once(strategy):
+    """Before, every strategy failed with a cycle between stages blamed on a merge=True rule the user
+    never wrote."""
+    fn, params = df.pure(MLP())
+    nested = T.microbatch(T.microbatch(fn, num=2, in_axes=(None, 0)), num=2, in_axes=(None, 0))
+    with pytest.raises(df.TransformError, match="split once instead, with num the product of the two"):
+        df.trace(T.overlap(nested, strategy=strategy), params, torch.randn(8, 32))
+
+
 def test_partition_rules_label_stages_and_tags():
     fn, params = df.pure(Block())
     program = T.partition(df.trace(fn, params, torch.randn(2, 8, 32)),
