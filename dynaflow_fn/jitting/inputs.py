@@ -69,33 +69,64 @@ def _check_names_tensors(index: int, option: str, args: tuple, arg_names: Sequen
 
 
 def match_donations(program: Program, inputs: TensorInputs) -> dict[int, int]:
-    """Pair each donated tensor input with an output of the same shape, strides and dtype: the output at
-    the same place (`params, state = step(params, state, ...)` pairs out[0][k] with argument 0's [k]),
-    else the first unclaimed one in order. Returns {output index: input index}."""
+    """Pair each donated tensor input with an output of the same shape, strides and dtype
+    (`pair_donations`), warning about a donated input nothing is written into. Returns {output index:
+    input index}."""
     if not inputs.donated:
         return {}
     placeholders = program.placeholders()
     outputs = list(program.output_node().args[0])
-    output_places = {spec.path[len("out"):]: spec.tensor_index for spec in program.outputs
-                     if spec.tensor_index is not None}
-    claimed: dict[int, int] = {}
-
-    def fits(out_index: int | None, wanted: torch.Tensor) -> bool:
-        value = outputs[out_index].meta.get("val") if out_index is not None else None
-        return out_index not in claimed and isinstance(value, torch.Tensor) and (
-            TensorSpec.of(value) == TensorSpec.of(wanted))
-
+    place_of = {spec.tensor_index: spec.path[len("out"):] for spec in program.outputs if spec.tensor_index is not None}
+    claimed = pair_donations(
+        [(k, inputs.places[k], TensorSpec.of(placeholders[k].meta["val"])) for k in sorted(inputs.donated)],
+        [(place_of.get(j), _spec(node.meta.get("val"))) for j, node in enumerate(outputs)])
     for in_index in sorted(inputs.donated):
-        node = placeholders[in_index]
-        if node in outputs:
+        if placeholders[in_index] in outputs:
             warn(f"donated input {inputs.names[in_index]} is returned unchanged, so nothing updates it "
                  f"in place; check that the function returns its new value, or do not donate it")
-        wanted = node.meta["val"]
-        same_place = output_places.get(inputs.places[in_index])
-        candidates = [same_place] if fits(same_place, wanted) else [j for j in range(len(outputs)) if fits(j, wanted)]
-        if candidates:
-            claimed[candidates[0]] = in_index
-        else:
+        elif in_index not in claimed.values():
             warn(f"donated input {inputs.names[in_index]} matches no output of the same shape, strides and "
                  f"dtype, so nothing is written into it")
     return claimed
+
+
+def pair_donations(donated: Sequence[tuple[int, str, TensorSpec]],
+                   outputs: Sequence[tuple[str | None, TensorSpec | None]]) -> dict[int, int]:
+    """Pair each donated input (its index, its place inside its argument, its layout) with an output
+    (its place in the result, its layout or None) of the same layout: the output at the same place
+    (`params, state = step(params, state, ...)` pairs out[0][k] with argument 0's [k]), else the first
+    unclaimed one in order. Returns {output index: input index}."""
+    at_place = {place: j for j, (place, _) in enumerate(outputs) if place is not None}
+    claimed: dict[int, int] = {}
+
+    def fits(out_index: int | None, wanted: TensorSpec) -> bool:
+        return out_index is not None and out_index not in claimed and outputs[out_index][1] == wanted
+
+    for in_index, place, wanted in donated:
+        same_place = at_place.get(place)
+        candidates = [same_place] if fits(same_place, wanted) else [j for j in range(len(outputs)) if fits(j, wanted)]
+        if candidates:
+            claimed[candidates[0]] = in_index
+    return claimed
+
+
+def written_into_donated(fn: Callable[..., Any], args: tuple, kwargs: dict, result: Any,
+                         donate_argnums: Sequence[int]) -> Any:
+    """`result` of `fn(*args, **kwargs)` with each output that a plan would write into a donated
+    argument written into it and replaced by it: what a call of the plan does, for a jitted function
+    inlined into another one's trace (whose caller may rely on the update in place)."""
+    flat = tree.Flat.of(args, kwargs)
+    inputs = TensorInputs.of(fn, flat, donate_argnums, ())
+    paths, leaves, treedef = optree.tree_flatten_with_path(result, none_is_leaf=True)
+    targets = {k: flat.leaves[inputs.positions[k]] for k in inputs.donated}
+    pairs = pair_donations([(k, inputs.places[k], TensorSpec.of(targets[k])) for k in sorted(inputs.donated)],
+                           [("".join(f"[{key!r}]" for key in path), _spec(leaf)) for path, leaf in zip(paths, leaves)])
+    for out_index, in_index in pairs.items():
+        if leaves[out_index] is not targets[in_index]:
+            targets[in_index].copy_(leaves[out_index])
+            leaves[out_index] = targets[in_index]
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def _spec(value: Any) -> TensorSpec | None:
+    return TensorSpec.of(value) if isinstance(value, torch.Tensor) else None

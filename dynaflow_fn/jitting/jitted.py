@@ -44,7 +44,7 @@ from .binding import Binding
 from .bucketing import Bucketing
 from .call import RETRACE_WARNING_ENTRIES, CallSignature, warn_retracing
 from .guard import call_state, modes_unchanged
-from .inputs import TensorInputs
+from .inputs import TensorInputs, written_into_donated
 from .object_watch import ObjectWatch
 from .options import JitOptions
 from .pipeline import ColdStart, Pipeline
@@ -112,7 +112,10 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if ops_are_transformed():                  # inside a trace, vmap or grad: inlined, as jax.jit in jax.jit
-            return self.fn(*args, **kwargs)
+            result = self.fn(*args, **kwargs)
+            if self.options.donate_argnums:        # donated arguments updated in place, as a plan's call does
+                return written_into_donated(self.fn, args, kwargs, result, self.options.donate_argnums)
+            return result
         call, last = (args, kwargs), self._last
         if last is not None and last.guard is not None and self.bucketing is None:
             leaves = last.guard.admitted_leaves(call, call_state())       # by the last call's structure

@@ -25,6 +25,27 @@ def test_a_jitted_function_inside_another_is_inlined():
     assert "aten.tanh" in str(df.trace(lambda x: inner(x) + 1, torch.randn(3, 6)))
 
 
+def test_a_jitted_function_inlined_into_another_updates_its_donated_arguments_in_place_as_its_plan_does():
+    """Called on its own, a plan writes the outputs paired with donated arguments into them; inlined,
+    the outer plan must too, or a caller relying on the update (a training loop calling a donating
+    step and reading the parameters it passed) silently trains on stale values."""
+    optimizer = df.optim.sgd(lr=0.1)
+    step = df.jit(lambda p, x: optimizer.update(df.grad(lambda p: (x @ p["w"]).square().mean())(p), {}, p)[0],
+                  donate_argnums=(0,))
+
+    def two_steps(p, x1, x2):                     # reads p's update in place, returns nothing of it
+        step(p, x1)
+        step(p, x2)
+        return (x2 @ p["w"]).sum()
+
+    start, x1, x2 = torch.randn(4, 2), torch.randn(3, 4), torch.randn(3, 4)
+    eager, jitted = {"w": start.clone()}, {"w": start.clone()}
+    expected = two_steps(eager, x1, x2)
+    torch.testing.assert_close(df.jit(two_steps)(jitted, x1, x2), expected)
+    torch.testing.assert_close(jitted["w"], eager["w"])
+    assert not torch.equal(eager["w"], start)
+
+
 def test_a_trace_inside_a_traced_function_nests():
     outer = df.jit(lambda x: df.trace(_inner, x)(x) * 2)
     x = torch.randn(4)
