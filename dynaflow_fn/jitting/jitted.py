@@ -34,7 +34,7 @@ import optree
 import torch
 
 from .. import compat
-from ..errors import ResidentInputMoved
+from ..errors import InputError, ResidentInputMoved
 from ..ir.program import Program
 from ..ir.tree import Flat
 from ..plan.plan import Plan
@@ -96,6 +96,8 @@ class Jitted:
     """A function compiled per call signature into a static Plan and run by its runtime."""
 
     def __init__(self, fn: Callable[..., Any], options: JitOptions):
+        if not callable(fn):
+            raise InputError(f"df.jit compiles a function, got {type(fn).__name__} {fn!r:.60}")
         self.fn = fn
         self.name = getattr(fn, "__name__", "fn")
         self.options = options

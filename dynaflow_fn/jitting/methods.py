@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import types
+import weakref
 from typing import Any
 
 from ..errors import InputError
@@ -43,6 +44,10 @@ class _Binding:
         return None
 
 
+_class_bindings: "weakref.WeakKeyDictionary[type, dict[str, _Binding]]" = weakref.WeakKeyDictionary()
+"""The jitted methods bound to classes (`@classmethod` stacked on `@df.jit`), whose `__dict__` is read-only."""
+
+
 def bound(jitted: Any, instance: Any) -> Any:
     """The jitted function of `jitted.fn` bound to `instance` (a `Jitted` of the same options)."""
     key = f"__dynaflow_jit_{getattr(jitted.fn, '__qualname__', jitted.name)}__"
@@ -54,6 +59,9 @@ def bound(jitted: Any, instance: Any) -> Any:
             f"{type(instance).__name__} in the instance's __dict__, which it has none of: add '__dict__' to its "
             f"__slots__, or jit the bound method yourself (fast = df.jit(obj.{jitted.name}) with the method "
             f"undecorated) and keep `fast`.") from None
+    if not isinstance(attributes, dict):         # a class's read-only mappingproxy: `@classmethod` over `@df.jit`
+        with _binding:
+            attributes = _class_bindings.setdefault(instance, {})
     held = attributes.get(key)
     if held is not None and held.unbound is jitted and held.method.fn.__self__ is instance:
         return held.method

@@ -68,12 +68,12 @@ def lift_closed_over(graph_module: fx.GraphModule, fn: Callable[..., Any]) -> tu
 
 def closed_over_objects(fn: Callable[..., Any]) -> tuple[Any, ...]:
     """The modules among the variables `fn` reads from outside (closure cells, the globals it names, the
-    module of `df.pure`) and the instance `self` it is bound to or closes over: objects whose Python
-    attributes a trace of `fn` reads besides those of the modules it calls."""
+    module of `df.pure`) and the instance `self` it is bound to or closes over (a class, for a jitted
+    classmethod): objects whose Python attributes a trace of `fn` reads besides those of the modules it
+    calls."""
     found: dict[int, Any] = {}
     for name, value in closure_variables(fn):
-        if isinstance(value, torch.nn.Module) or (name == "self" and hasattr(value, "__dict__")
-                                                  and not isinstance(value, type)):
+        if isinstance(value, torch.nn.Module) or (name == "self" and hasattr(value, "__dict__")):
             found.setdefault(id(value), value)
     return tuple(found.values())
 

@@ -4,6 +4,7 @@ reading the instance's tensors in place and seeing its attributes change."""
 import copy
 import gc
 import pickle
+import sys
 import weakref
 
 import pytest
@@ -97,6 +98,30 @@ def test_an_instance_without_a_dict_is_refused_with_the_way_out():
 
     with pytest.raises(df.InputError, match=r"add '__dict__' to its __slots__.*df\.jit\(obj\.apply\)"):
         Slotted().apply(torch.randn(2))
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="from Python 3.13 classmethod no longer binds through "
+                    "the descriptor it wraps: the class arrives as an argument, which df.jit refuses by name")
+def test_a_jitted_classmethod_binds_its_class_and_sees_its_attributes_change():
+    """`@classmethod` over `@df.jit` binds the class, whose __dict__ is read-only: it raised
+    "'mappingproxy' object does not support item assignment"."""
+    class Scaled:
+        factor = 2.0
+
+        @classmethod
+        @df.jit
+        def apply(cls, x):
+            return x * cls.factor
+
+    x = torch.randn(3)
+    torch.testing.assert_close(Scaled.apply(x), x * 2)
+    Scaled.factor = 3.0
+    torch.testing.assert_close(Scaled.apply(x), x * 3)
+
+
+def test_something_other_than_a_function_is_refused_when_jitted():
+    with pytest.raises(df.InputError, match=r"df\.jit compiles a function, got int 5"):
+        df.jit(5)
 
 
 def test_a_freed_instance_frees_its_jitted_method():
