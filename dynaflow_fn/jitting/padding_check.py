@@ -35,11 +35,13 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from ..compat import op_schema
 from ..errors import PaddedUpdateError, TraceError, UnpaddableError
+from ..ir import ops
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
 from ..transforms.batch_size_reads import returned_numbers, size_reads
-from ..transforms.row_states import Reduced, Rows
+from ..transforms.row_states import Reduced, Rows, describe
 from .buckets import BatchLayout, OutputAxes
 
 _COPY_ = torch.ops.aten.copy_.default
@@ -91,6 +93,12 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
         texts += [f"{finding}. Padded to a bucket, the function reads the bucket's size there, not the real batch's, "
                   f"so the real rows' results change: compute such values outside the function from the real batch "
                   f"and pass them in as tensors" for finding in size_reads(program, again_program, rows, again_rows).texts()]
+    random = next((node for node in program.ops() if _draws_random_numbers(node)), None)
+    if random is not None:
+        texts.append(f"{describe(random)} draws random numbers for the padded rows too, so torch's generator "
+                     f"advances as for the bucket's rows, not the real batch's: later random numbers differ from "
+                     f"an unpadded call's (the real rows' draws of this call may too). Pass random values in as "
+                     f"tensors drawn for the real batch, or call without buckets where eager's random stream matters")
     if not pad_value_given:
         written = [spec.path for spec in program.inputs
                    if spec.node_name in updates and flow.states.get(updates[spec.node_name]) is not None]
@@ -98,6 +106,17 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
                   f"their pad values (zeros, by default: slot or index 0). Give pad_value= values that make them "
                   f"write where no real row reads (a dummy cache slot, as serving engines do)" for path in written]
     return texts
+
+
+def _draws_random_numbers(node: Any) -> bool:
+    """Whether an op draws from torch's generator: attention kernels are tagged random for their
+    dropout, which draws nothing at dropout_p 0, and native_dropout draws nothing in eval mode."""
+    if not ops.is_random(node.target):
+        return False
+    defaults = {argument.name: argument.default_value for argument in op_schema(node.target).arguments
+                if argument.has_default_value()}
+    bound = {**defaults, **ops.bind_arguments(node.target, node.args, node.kwargs)}
+    return bound.get("dropout_p", 1) != 0 and bound.get("train", True) is not False
 
 
 def _traced_again(traced_at: Callable[[int], Program], rows: int) -> tuple[int, Program] | str:

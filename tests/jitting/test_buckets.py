@@ -318,6 +318,14 @@ def test_classifier_free_guidance_pads_exactly_without_a_warning(take_apart):
     torch.testing.assert_close(got, guided(x, cond))
 
 
+def test_a_function_that_draws_random_numbers_warns_that_the_padded_rows_draw_too():
+    """The padded rows' draws advance torch's generator as for the bucket: the next call's dropout mask
+    differs from eager's, silently before."""
+    fast = df.jit(lambda x: F.dropout(x, 0.5, training=True), buckets=(4, 8), in_axes=0)
+    with pytest.warns(UserWarning, match=r"aten\.bernoulli\.p draws random numbers for the padded rows too"):
+        fast(torch.ones(3, 5))
+
+
 def test_linspace_over_the_batch_size_warns():
     fn = lambda x: x * torch.linspace(0, 1, x.shape[0])[:, None]   # noqa: E731
     with pytest.warns(UserWarning, match=r"aten\.linspace reads the batch size as a number"):
