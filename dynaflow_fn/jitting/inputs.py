@@ -50,7 +50,7 @@ class TensorInputs:
 
         return cls(positions=tuple(positions),
                    names=tuple(tree.path_to_str(path, arg_names) for path in tensor_paths),
-                   places=tuple("".join(f"[{key!r}]" for key in path[1:]) for path in tensor_paths),
+                   places=tuple(_place(path[1:]) for path in tensor_paths),
                    donated=named_by(donate_argnums, "donate_argnums"),
                    persistent=named_by(persistent_argnums, "persistent_argnums"))
 
@@ -120,12 +120,17 @@ def written_into_donated(fn: Callable[..., Any], args: tuple, kwargs: dict, resu
     paths, leaves, treedef = optree.tree_flatten_with_path(result, none_is_leaf=True)
     targets = {k: flat.leaves[inputs.positions[k]] for k in inputs.donated}
     pairs = pair_donations([(k, inputs.places[k], TensorSpec.of(targets[k])) for k in sorted(inputs.donated)],
-                           [("".join(f"[{key!r}]" for key in path), _spec(leaf)) for path, leaf in zip(paths, leaves)])
+                           [(_place(path), _spec(leaf)) for path, leaf in zip(paths, leaves)])
     for out_index, in_index in pairs.items():
         if leaves[out_index] is not targets[in_index]:
             targets[in_index].copy_(leaves[out_index])
             leaves[out_index] = targets[in_index]
     return optree.tree_unflatten(treedef, leaves)
+
+
+def _place(keys: Sequence[Any]) -> str:
+    """A path of pytree keys as output paths print it after `out`: `[0]['w']`."""
+    return "".join(f"[{key!r}]" for key in keys)
 
 
 def _spec(value: Any) -> TensorSpec | None:

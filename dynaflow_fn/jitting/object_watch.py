@@ -101,13 +101,8 @@ def _fingerprint(objects: Sequence[Any], keep: list) -> tuple:
     """The Python state of `objects`: per object its class and each attribute (`training` aside), a
     scalar by value, a dict by its items (a hook dict by its handle ids, which are never reused), any
     other value by identity (`methods`' bindings aside). `keep` receives what the identities refer to, so that no id is reused
-    while the fingerprint lives. About 5 us a module: it runs only after a change, and never while
-    another thread traces (which swaps parameters for fakes: `no_trace_running`)."""
-    with no_trace_running():
-        return _fingerprint_now(objects, keep)
-
-
-def _fingerprint_now(objects: Sequence[Any], keep: list) -> tuple:
+    while the fingerprint lives. About 5 us a module: it runs only after a change. Its callers hold
+    `no_trace_running`: another thread's trace swaps parameters for fakes and adds global hooks."""
     parts: list[Any] = []
     for obj in objects:
         keep.append(obj)
@@ -149,7 +144,7 @@ class ObjectWatch:
             _watch(module)
         self._differs_at: int | None = None                # a tick at which the modules were found changed
         self._keep: list[Any] = []
-        with no_trace_running():                           # not another trace's fakes and hooks
+        with no_trace_running():                           # not another thread's trace's fakes and hooks
             self.tick = changes.tick if _observed else None   # read before the fingerprint: later changes are seen
             self._modules = self._modules_now(self._keep)
             self._instances = _fingerprint(self.instances, self._keep)
@@ -193,11 +188,12 @@ class ObjectWatch:
         return True
 
     def _instances_unchanged(self) -> bool:
-        if _fingerprint(self.instances, []) != self._instances:
-            return False
+        with no_trace_running():
+            if _fingerprint(self.instances, []) != self._instances:
+                return False
         self._identities = [list(vars(o).values()) for o in self.instances]
         return True
 
     def _modules_now(self, keep: list) -> tuple:
-        with no_trace_running():                           # the global hooks a trace adds while it runs
+        with no_trace_running():
             return (_fingerprint(self.modules, keep), _global_hooks()) if self.modules else ()

@@ -115,8 +115,9 @@ def translating_errors(fn_name: str) -> Iterator[None]:
             f"{fn_name} reads the value of a tensor it does not receive as an argument (a module buffer, a closed-over "
             f"or global tensor) {_where(error)} ({_READS.get(error.op.__name__, error.op.__name__)}). A plan would "
             f"keep the value the tensor had while being traced, where eager PyTorch reads it anew on every call (and "
-            f"sees the function's own updates of it). Use it as a tensor in torch ops (`x * s`, torch.where), or pass the value as a Python scalar "
-            f"argument (a static argument: each distinct value is traced once).", error) from None
+            f"sees the function's own updates of it). Use it as a tensor in torch ops (`x * s`, torch.where), or "
+            f"pass the value as a Python scalar argument (a static argument: each distinct value is traced once).",
+            error) from None
     except DataDependentOutputException as error:
         raise _traced_error(
             f"{fn_name} reads the value of a tensor {_where(error)} ({error.func}). A traced program has one fixed "

@@ -149,7 +149,8 @@ def _value_reads(node: fx.Node, other: fx.Node, rows: int, again_rows: int) -> I
         sized = bool(_SIZE_TYPE.search(str(argument.type)))
         positions = argument.name in _ROW_POSITIONS.get(name, ())
         for number, number_again in zip(optree.tree_leaves(value), optree.tree_leaves(value_again)):
-            if not _is_number(number) or number == number_again or (number != number and number_again != number_again):
+            both_nan = number != number and number_again != number_again
+            if not _is_number(number) or number == number_again or both_nan:
                 continue
             if (not sized or argument.name in _SPREAD_OVER.get(name, ())
                     or (positions and (number, number_again) != (rows, again_rows))):

@@ -242,7 +242,7 @@ _aside = threading.local()
 
 
 def studying() -> bool:
-    """Whether this thread is tracing a body for `study_body` (whose findings the real trace reports)."""
+    """Whether this thread is tracing a body for `study_body` (whose findings the micro-batched call reports)."""
     return getattr(_aside, "active", False)
 
 

@@ -7,9 +7,9 @@ concatenated output: splitting and merging copy nothing.
 
 Before splitting, one micro-batch body is traced on its own (`microbatch_body`, cached per input
 signature) to learn which outputs read no split input (merged by taking the first micro-batch's
-value) and which ops micro-batching would change the meaning of (reported as warnings when the
-micro-batched function is traced). The eager call uses the same facts, so it stays the reference
-the traced program is tested against.
+value) and which ops micro-batching would change the meaning of (reported as warnings by every
+call, traced or eager). The eager call uses the same facts, so it stays the reference the traced
+program is tested against.
 """
 
 from __future__ import annotations

@@ -355,9 +355,8 @@ TENSOR_RULES: dict[str, Callable[[RuleCall], State]] = {
     "aten.cumsum": _along_dim, "aten.cumprod": _along_dim, "aten.logcumsumexp": _along_dim, "aten.sort": _along_dim,
     "aten.argsort": _along_dim, "aten.topk": _along_dim, "aten.cummax": _along_dim, "aten.cummin": _along_dim,
     "aten.kthvalue": reduction, "aten.median": reduction, "aten.nanmedian": reduction, "aten.mode": reduction,
-    "aten.flip": _reorder, "aten.roll": _reorder, "aten.constant_pad_nd": _pad, "aten.scatter": _scatter, "aten.scatter_add": _scatter,
-    "aten.scatter_reduce": _scatter, "aten.index_add": _index_add, "aten.index_reduce": _index_add,
-    "aten.mm": _mm, "aten.addmm": _addmm, "aten.bmm": _bmm,
-    "aten.baddbmm": _baddbmm,
+    "aten.flip": _reorder, "aten.roll": _reorder, "aten.constant_pad_nd": _pad, "aten.scatter": _scatter,
+    "aten.scatter_add": _scatter, "aten.scatter_reduce": _scatter, "aten.index_add": _index_add,
+    "aten.index_reduce": _index_add, "aten.mm": _mm, "aten.addmm": _addmm, "aten.bmm": _bmm, "aten.baddbmm": _baddbmm,
 }
 """The tensor-op rules, by the op's packet."""
