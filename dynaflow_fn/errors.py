@@ -69,6 +69,14 @@ class GradientError(DynaflowError, RuntimeError):
     reproduce: an in-place update, inside the function, of a tensor that requires grad."""
 
 
+class KernelError(DynaflowError, RuntimeError):
+    """A kernel of a plan failed on the tensors it was given, though tracing had accepted the op: the
+    failure depends on the values (an index out of range), or torch's shape-only (meta) kernels, which
+    tracing runs, check less than some real ones do (the dtypes of a matrix product's operands). The
+    message names the op, its node and its operands; eager PyTorch raises the same error (the cause) at
+    the line that calls the op."""
+
+
 class InternalError(DynaflowError, AssertionError):
     """An invariant of dynaflow_fn itself broke: a bug in dynaflow_fn, not in the caller's code.
     The message names the invariant; please report it with the code that raised it."""

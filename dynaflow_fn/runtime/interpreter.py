@@ -14,7 +14,8 @@ import optree
 import torch
 
 from ..compat import sm_carveout, sm_carveout_supported
-from ..errors import InternalError
+from ..errors import DynaflowError, InternalError, KernelError
+from ..ir.formatting import type_str
 from ..ir.ops import op_info
 from ..ir.tree import picker
 from ..plan.plan import Plan, Ref, Slot, Step, StepKind, Storage, StorageKind
@@ -134,6 +135,21 @@ def _release_schedule(plan: Plan) -> tuple[list[list[int]], list[list[int]]]:
     return release, foreign
 
 
+def kernel_error(plan: Plan, step: Step, env: Env, error: RuntimeError) -> RuntimeError:
+    """What a step's failure raises: a `KernelError` naming the op, its node and its operands, since the
+    kernel's own message names none of them; the error itself where it already says what happened
+    (dynaflow_fn's own errors, running out of memory)."""
+    if isinstance(error, (DynaflowError, torch.OutOfMemoryError)):
+        return error
+    operands = ", ".join(type_str(env[slot]) for slot in step.reads()) or "no tensors"
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return KernelError(f"df.jit({plan.name}): {step.op} (node {step.node}) failed on {operands}: {first}. Tracing "
+                       f"accepted the op: the error depends on the values (an index out of range), or torch's "
+                       f"shape-only (meta) kernel, which tracing runs, checks less than the real one (the dtypes of "
+                       f"a matrix product). Eager PyTorch raises the same error at the line of {plan.name} that "
+                       f"calls the op.")
+
+
 OUTPUT_ALIGNMENT = 256
 """Byte alignment of each output storage packed into one buffer (`BoundPlan.allocate_outputs`), as the
 caching allocator aligns its own blocks, so kernels see the alignment they would see otherwise."""
@@ -203,8 +219,11 @@ class BoundPlan:
         """Run every step; with streams, each on its own stream with its event waits and records."""
         release = self.release_after
         if streams is None:
-            for runner, dead in zip(self.runners, release):
-                runner(env)
+            for step, runner, dead in zip(self.plan.steps, self.runners, release):
+                try:
+                    runner(env)
+                except RuntimeError as error:
+                    raise kernel_error(self.plan, step, env, error) from error
                 for slot in dead:
                     env[slot] = None
             return
@@ -221,7 +240,10 @@ class BoundPlan:
                     if step.stream != on:           # a switch only where the plan changes streams
                         torch.cuda.set_stream(stream)
                         on = step.stream
-                    runner(env)
+                    try:
+                        runner(env)
+                    except RuntimeError as error:
+                        raise kernel_error(self.plan, step, env, error) from error
                     for event in step.records:
                         events[event].record(stream)
                     for slot in dead:
