@@ -258,8 +258,10 @@ def _scatter(call: RuleCall) -> State:
     """scatter, scatter_add, scatter_reduce: write `src` into `self` at the positions `index` holds
     along `dim`. Along another axis than the rows', each row writes into its own row. Along the rows'
     axis into a value that reads no row, rows land in slots that data chooses: added up (scatter_add,
-    a "sum" reduce) they make a sum over the rows, reduced otherwise something else. A plain write
-    there (a cache update) stops the analysis."""
+    a "sum" reduce) they make a sum over the rows, reduced otherwise something else. Into the rows
+    themselves (`zeros_like(x).scatter(0, index, x)`), data picks which row takes which: a part of the
+    batch picks among its own rows only. A plain write into a value that reads no row (a cache update)
+    stops the analysis."""
     states = [call.flow.states[n] for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
     state, rank = same_rows(states), call.rank()
     if state is UNKNOWN or any(call.rank(n) != rank for n in call.node.all_input_nodes):
@@ -270,18 +272,29 @@ def _scatter(call: RuleCall) -> State:
     added = op_info(call.node.target).packet == "aten.scatter_add" or call.bound.get("reduce") in ("sum", "add")
     if dim == state.axis and call.state("self") is None and (added or "reduce" in call.bound):
         return call.result(call.reduced(sum_of_rows=added))
+    if dim == state.axis and isinstance(call.state("self"), Rows):
+        return _written_at_chosen_rows(call)
     return call.result(UNKNOWN)
 
 
 def _index_add(call: RuleCall) -> State:
     """index_add, index_reduce: add (or reduce: prod, mean, amax, amin) the rows of `source` along
     `dim` into the rows of `self` that `index` names. With the batch rows along `dim` and a `self`
-    that reads no row, the rows land in slots that data chooses: added up, a sum over the rows."""
-    source, index = call.state("source"), call.state("index")
+    that reads no row, the rows land in slots that data chooses: added up, a sum over the rows. Into
+    the rows themselves, data picks which row takes which (see `_scatter`)."""
+    source, index, into = call.state("source"), call.state("index"), call.state("self")
     dim = call.bound["dim"] % call.rank()
-    if call.state("self") is None and isinstance(source, Rows) and source.axis == dim and index in (None, Rows(0)):
+    if into is None and isinstance(source, Rows) and source.axis == dim and index in (None, Rows(0)):
         return call.result(call.reduced(sum_of_rows=op_info(call.node.target).packet == "aten.index_add"))
+    if isinstance(into, Rows) and into.axis == dim:
+        return _written_at_chosen_rows(call)
     return call.result(UNKNOWN)
+
+
+def _written_at_chosen_rows(call: RuleCall) -> State:
+    return call.report("writes along the batch axis at positions an index tensor holds, so a row of the result "
+                       "takes the value of whichever row the index names, and a part of the batch numbers its "
+                       "rows from 0")
 
 
 def _matmul(call: RuleCall, first: str, second: str, batched: bool) -> State:

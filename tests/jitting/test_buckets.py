@@ -228,6 +228,16 @@ def test_functions_that_move_rows_along_the_batch_axis_warn(fn, op):
     torch.testing.assert_close(got, fn(F.pad(x, (0, 0, 0, 1)))[:3])
 
 
+def test_rows_scattered_into_rows_at_positions_an_index_holds_warn():
+    """A padded row's index (0) writes over the real row that index 0 names."""
+    fn = lambda x, index: torch.zeros_like(x).scatter(0, index[:, None].expand_as(x), x)   # noqa: E731
+    fast = df.jit(fn, buckets=(4,), in_axes=(0, 0), backend="eager")
+    x, index = torch.randn(3, 5), torch.tensor([2, 1, 0])
+    with pytest.warns(UserWarning, match=r"aten\.scatter\.src writes along the batch axis at positions an index tensor"):
+        got = fast(x, index)
+    assert not torch.equal(got, fn(x, index))
+
+
 @pytest.mark.parametrize("fn", [lambda x: x.flip(1), lambda x: x.sort(1).values, lambda x: x.topk(2, 1).values,
                                 lambda x: x[:, torch.tensor([3, 1])]], ids=["flip", "sort", "topk", "index"])
 def test_functions_that_move_values_along_another_axis_pad_exactly_without_a_warning(fn):

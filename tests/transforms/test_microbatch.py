@@ -368,6 +368,21 @@ def test_rows_added_into_slots_are_a_sum_over_the_rows():
     assert not torch.allclose(got, amax(x, slots))
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x, index: torch.zeros_like(x).index_add(0, index, x),
+    lambda x, index: torch.zeros_like(x).scatter_add(0, index[:, None].expand_as(x), x),
+    lambda x, index: x.index_add(0, index, x * 2),
+], ids=["index_add", "scatter_add", "index_add-into-x"])
+def test_rows_written_into_the_rows_at_positions_an_index_holds_warn(fn):
+    """Data picks which row of the result takes each row (`zeros_like(x).index_add(0, index, x)`): a
+    micro-batch picks among its own rows only, and numbers them from 0."""
+    x, index = torch.randn(6, 4), torch.tensor([2, 1, 0, 2, 1, 0])
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.\w+(\.\w+)? writes along the batch axis at positions an "
+                                         r"index tensor holds"):
+        got = df.jit(T.microbatch(fn, num=2, in_axes=(0, 0)))(x, index)
+    assert not torch.allclose(got, fn(x, index))                # what the warning is about
+
+
 def test_an_in_place_update_of_a_shared_input_warns():
     def count(calls, x):
         calls.add_(1)
