@@ -38,7 +38,8 @@ A plan per size for 121 sizes costs minutes of compiling per variant, so every v
 `--walk-sample` sizes spread over the walk's range (WALK_SAMPLE) and is timed on the walk's steps at
 those sizes; then df-buckets plans every size the walk visits and is timed on the whole walk (left
 out with `--walk-sample-only`). Reported: the first pass over the sizes planned (planning,
-compiling and capturing included) and per size, steady tokens/s (repeated to 200 steps), CUDA graph
+compiling and capturing included) and per size, steady tokens/s (the median of `--walk-rounds` passes
+of at least 200 steps, the variants taking turns, with the slowest and fastest pass), CUDA graph
 captures, the memory the graphs hold (df's own count, and torch.cuda.memory_allocated /
 memory_reserved after minus before, caches emptied), and the fraction of tokens equal to eager's.
 compile-ro's memory over 16 sizes is a lower bound of its memory over all 121.
@@ -56,7 +57,7 @@ Writes bench/results/serving.json (serving-<cases>.json for a subset).
     python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
                             [--generate-variants df "df (one cache)" ...] [--rounds 1]
                             [--walk-variants df-buckets df-exact compile-ro] [--walk-largest 256]
-                            [--walk-sample 16] [--walk-sample-only]
+                            [--walk-sample 16] [--walk-sample-only] [--walk-rounds 5]
 """
 
 from __future__ import annotations
@@ -274,6 +275,11 @@ would take a variant over 15 minutes. So they plan this many sizes spread over t
 every variant is timed on the walk's steps at those sizes."""
 
 
+WALK_ROUNDS = 5
+"""Timed passes of each variant over the walk, taking turns: one pass of 200 steps lasts about half a
+second, and on an H200 two plans of identical kernels differed by 3-4% between single passes."""
+
+
 def spread(sizes: Sequence[int], count: int) -> list[int]:
     """`count` of the sorted `sizes`, evenly spaced, the smallest and the largest included."""
     if count >= len(sizes):
@@ -306,10 +312,11 @@ def held_memory_mb() -> tuple[float, float]:
 
 
 def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGEST, sample: int = WALK_SAMPLE,
-             whole: bool = True) -> list[dict[str, Any]]:
+             whole: bool = True, rounds: int = WALK_ROUNDS) -> list[dict[str, Any]]:
     """The decode walk over batch sizes 1..largest. Every variant plans `sample` of the sizes the walk
-    visits and is timed on the walk's steps at them, in the walk's order (see WALK_SAMPLE); then, if
-    `whole`, df-buckets plans every size the walk visits and is timed on the whole walk."""
+    visits, and the variants take turns `rounds` times over the walk's steps at them, in the walk's
+    order (see WALK_SAMPLE); then, if `whole`, df-buckets plans every size the walk visits and is timed
+    on the whole walk."""
     serve = serve_example()
     case = (f"decode walk: {WALK_MODEL['num_hidden_layers']} Llama-like layers bf16, batch 1..{largest} "
             f"over {WALK_STEPS} steps, {WALK_POSITION} cached tokens")
@@ -337,40 +344,73 @@ def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGES
         def call(step, rows):
             return step(cache.keys, cache.values, inputs[rows], chunk)[0].clone()   # cudagraph trees overwrite it
 
-        rows_out = []
-        for variant in variants:
+        def plan(step, sizes):
+            """Call `step` at every size, timed (planning, compiling, capturing), then twice more at each:
+            cudagraph trees record a size's graph on its third call."""
+            begin = time.perf_counter()
+            for rows in sizes:
+                call(step, rows)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - begin
+            for rows in sizes * 2:
+                call(step, rows)
+            return seconds
+
+        def row(variant, step, label, planned, first_pass, held, timed):
+            info = step.cache_info() if isinstance(step, df.Jitted) else None
+            print(f"{variant}, {label}: {info if info else ''}", flush=True)
+            return {"case": f"{case}: {label}", "variant": variant, **timed, "sizes_planned": planned,
+                    "first_pass_s": first_pass, "first_pass_per_size_s": first_pass / planned,
+                    "captures": info.captures if info else None,
+                    "graph_mb": info.graph_memory_bytes / 2**20 if info else None,
+                    "allocated_mb": held[0], "reserved_mb": held[1],
+                    "padding_waste": info.padding_waste if info else None}
+
+        (label, sizes, steps), built = stages[0], {}
+        for variant in variants:           # planned one after the other, each one's memory counted alone
             step = walk_variant(variant, serve, model, cache, len(visited))
-            before, planned, first_pass = held_memory_mb(), [], 0.0
-            for label, sizes, steps in stages if variant == "df-buckets" else stages[:1]:
-                new = [rows for rows in sizes if rows not in planned]
-                start = time.perf_counter()
-                for rows in new:
-                    call(step, rows)
-                torch.cuda.synchronize()
-                first_pass += time.perf_counter() - start
-                planned += new
-                for rows in new * 2:                 # cudagraph trees record a size's graph on its third call
-                    call(step, rows)
-                tokens_per_s, match = timed_walk(functools.partial(call, step), steps, expected)
-                after = held_memory_mb()
-                info = step.cache_info() if isinstance(step, df.Jitted) else None
-                rows_out.append({"case": f"{case}: {label}", "variant": variant, "tokens_per_s": tokens_per_s,
-                                 "sizes_planned": len(planned), "first_pass_s": first_pass,
-                                 "first_pass_per_size_s": first_pass / len(planned),
-                                 "captures": info.captures if info else None,
-                                 "graph_mb": info.graph_memory_bytes / 2**20 if info else None,
-                                 "allocated_mb": after[0] - before[0], "reserved_mb": after[1] - before[1],
-                                 "padding_waste": info.padding_waste if info else None, "tokens_match": match})
-                print(f"{variant}, {label}: {info if info else ''}", flush=True)
-            del step
-            release()
+            before = held_memory_mb()
+            first_pass = plan(step, sizes)
+            after = held_memory_mb()
+            built[variant] = (step, first_pass, (after[0] - before[0], after[1] - before[1]))
+        timed = timed_rounds({variant: functools.partial(call, step) for variant, (step, _, _) in built.items()},
+                             steps, expected, rounds)
+        rows_out = [row(variant, step, label, len(sizes), first_pass, held, timed[variant])
+                    for variant, (step, first_pass, held) in built.items()]
+        if len(stages) > 1 and "df-buckets" in built:
+            (label, sizes, steps), (step, first_pass, held) = stages[1], built["df-buckets"]
+            before = held_memory_mb()
+            first_pass += plan(step, [rows for rows in sizes if rows not in set(stages[0][1])])
+            after = held_memory_mb()
+            held = (held[0] + after[0] - before[0], held[1] + after[1] - before[1])
+            timed = timed_rounds({"df-buckets": functools.partial(call, step)}, steps, expected, rounds)
+            rows_out.append(row("df-buckets", step, label, len(sizes), first_pass, held, timed["df-buckets"]))
+        del built, step
+        release()
     return with_ratio(rows_out, "compile-ro", "vs_compile_ro")
+
+
+def timed_rounds(calls: dict[str, Callable[[int], torch.Tensor]], steps: Sequence[int],
+                 expected: dict[int, torch.Tensor], rounds: int, least_steps: int = 200) -> dict[str, dict[str, float]]:
+    """Per variant: the median tokens/s of `rounds` timed passes over `steps` (each repeated to at least
+    `least_steps`), the variants taking turns so that drift hits all alike; its slowest and fastest
+    pass; and the fraction of its tokens equal to `expected` (eager's) in the first pass."""
+    speeds: dict[str, list[float]] = {name: [] for name in calls}
+    matches: dict[str, float] = {}
+    for turn in range(rounds):
+        for name, call in calls.items():
+            tokens_per_s, match = timed_walk(call, steps, expected, least_steps)
+            speeds[name].append(tokens_per_s)
+            matches.setdefault(name, match)
+    return {name: {"tokens_per_s": statistics.median(values), "tokens_per_s_min": min(values),
+                   "tokens_per_s_max": max(values), "rounds": rounds, "tokens_match": matches[name]}
+            for name, values in speeds.items()}
 
 
 def timed_walk(call: Callable[[int], torch.Tensor], steps: Sequence[int], expected: dict[int, torch.Tensor],
                least_steps: int = 200) -> tuple[float, float]:
     """Tokens/s over `steps` (repeated to at least `least_steps`), and the fraction of tokens equal to
-    `expected` (eager's) on the first repeat."""
+    `expected` (eager's)."""
     repeats = -(-least_steps // len(steps))
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -481,6 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--walk-largest", type=int, default=WALK_LARGEST, help="decode-walk's largest batch")
     parser.add_argument("--walk-sample", type=int, default=WALK_SAMPLE,
                         help="how many of the walk's sizes the exact-size variants plan (WALK_SAMPLE)")
+    parser.add_argument("--walk-rounds", type=int, default=WALK_ROUNDS,
+                        help="timed passes per decode-walk variant, the variants taking turns (WALK_ROUNDS)")
     parser.add_argument("--walk-sample-only", action="store_true",
                         help="df-buckets too plans only those sizes (no whole-walk row)")
     parser.add_argument("--one-generate", nargs=3, metavar=("CASE", "VARIANT", "PATH"), help=argparse.SUPPRESS)
@@ -493,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     generate_rows = [row for name in args.cases if name in CONFIGS
                      for row in run_case(name, args.repeats, args.generate_variants, args.rounds)]
-    walk_rows = run_walk(args.walk_variants, args.walk_largest, args.walk_sample, not args.walk_sample_only) if DECODE_WALK in args.cases else []
+    walk_rows = (run_walk(args.walk_variants, args.walk_largest, args.walk_sample, not args.walk_sample_only,
+                          args.walk_rounds) if DECODE_WALK in args.cases else [])
     serve_rows = run_serve() if SERVE_LLAMA in args.cases else []
     if generate_rows:
         print_table(generate_rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "tokens_per_s_min",
@@ -501,7 +544,8 @@ def main(argv: list[str] | None = None) -> None:
                                     "captures", "graphs", "first_logits_rel_err", "tokens_match"],
                     title="transformers generate(), static cache")
     if walk_rows:
-        print_table(walk_rows, ["case", "variant", "tokens_per_s", "vs_compile_ro", "sizes_planned", "first_pass_s",
+        print_table(walk_rows, ["case", "variant", "tokens_per_s", "vs_compile_ro", "tokens_per_s_min",
+                                "tokens_per_s_max", "rounds", "sizes_planned", "first_pass_s",
                                 "first_pass_per_size_s", "captures", "graph_mb", "allocated_mb", "reserved_mb",
                                 "padding_waste", "tokens_match"], title="decode walk")
     if serve_rows:

@@ -249,3 +249,20 @@ def test_training_through_compile_backend_draws_a_new_dropout_mask_each_step_and
         torch.testing.assert_close(weight.grad, (kept * x * 2).sum(0))           # the forward's own mask
         masks.append(kept)
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+@pytest.mark.filterwarnings("ignore:Inductor could not compile")
+def test_a_kernel_that_fails_before_capture_is_a_kernel_error_and_the_next_fitting_call_captures(backend):
+    """float32 @ float64 passes tracing (meta kernels do not check mm's dtypes) and fails in the run
+    before the capture, as eager's mm fails."""
+    fn = lambda a, b: (a @ b).relu()   # noqa: E731
+    fast = df.jit(fn, backend=backend)
+    a, b = torch.randn(8, 8, device="cuda"), torch.randn(8, 8, device="cuda")
+    with pytest.raises(RuntimeError) as eager:
+        fn(a, b.double())
+    for _ in range(2):
+        with pytest.raises(df.errors.KernelError) as error:
+            fast(a, b.double())
+        assert str(eager.value).splitlines()[0] in str(error.value)
+    torch.testing.assert_close(fast(a, b), fn(a, b))
