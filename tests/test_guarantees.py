@@ -669,6 +669,15 @@ def test_sparse_inputs_are_refused_by_name():
         df.jit(lambda x: x * 2)(torch.randn(3, 3).to_sparse())
 
 
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_inputs_are_refused_by_name(layout):
+    """A strided nested tensor has no single shape: keying the call on it raised torch's internal error."""
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=layout)
+    with pytest.raises(df.InputError, match=r"x is a nested tensor; plans work on dense tensors of one shape"):
+        df.jit(lambda x: x * 2)(nested)
+
+
 # --- fake kernels stricter than real ones ------------------------------------------------------------------
 
 

@@ -225,6 +225,10 @@ def classify_leaves(paths: Sequence[tuple], leaves: Sequence[Any], arg_names: Se
     """Split leaves into tensors and static values; raise InputError naming any other leaf."""
     tensors, statics = [], []
     for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_nested:
+            raise InputError(f"argument {path_to_str(paths[i], arg_names)} is a nested tensor; plans work on dense "
+                             f"tensors of one shape. Pad it (.to_padded_tensor(0)), or keep the nested work outside "
+                             f"the jitted function.")
         if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
             raise InputError(f"argument {path_to_str(paths[i], arg_names)} is a {str(leaf.layout).replace('torch.', '')} "
                              f"tensor; plans work on dense (strided) tensors. Convert it with .to_dense(), or keep "

@@ -64,12 +64,13 @@ class CallSignature:
 
     @classmethod
     def of(cls, flat: Flat, state: tuple) -> "CallSignature | None":
-        """The signature of a call, or None if a leaf cannot be keyed (unhashable: tracing names it)."""
-        signature = cls(flat.treedef, tuple(map(tree.leaf_key, flat.leaves)), state,
-                        DictNodes.of((flat.args, flat.kwargs)).nodes)
+        """The signature of a call, or None if a leaf cannot be keyed (unhashable, or a nested tensor,
+        which has no single shape: tracing names it)."""
         try:
+            signature = cls(flat.treedef, tuple(map(tree.leaf_key, flat.leaves)), state,
+                            DictNodes.of((flat.args, flat.kwargs)).nodes)
             hash(signature)
-        except TypeError:
+        except (TypeError, RuntimeError):
             return None
         return signature
 
