@@ -28,6 +28,7 @@ from ..ir.signature import device_of
 from ..ir.tree import Flat
 from ..runtime.shared_pool import SharedPool
 from ..tracing.tracer import trace_flat
+from ..transforms.microbatch_body import study_trace
 from .buckets import BatchLayout, BucketTable, OutputAxes
 from .call import CallSignature
 from .guard import call_state
@@ -145,9 +146,10 @@ class Bucketing:
         if self._checked:
             return
         rows = layout.rows(flat.leaves)
-        texts = padding_warnings(trace_flat(self.jitted.fn, flat), layout, flat.leaves, self.outputs,
-                                 not self.jitted.options.pads_with_zeros,
-                                 lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
+        with study_trace():                   # T.microbatch inside: its body on the whole batch
+            texts = padding_warnings(trace_flat(self.jitted.fn, flat), layout, flat.leaves, self.outputs,
+                                     not self.jitted.options.pads_with_zeros,
+                                     lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
         if texts and self.jitted.options.refuse_inexact_padding:
             reason = "; ".join(texts)
             raise UnpaddableError(f"df.jit({self.jitted.name}) with buckets: {reason}", reason)

@@ -25,9 +25,10 @@ studied: nothing is shared and nothing is reported. What the facts say of each o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
@@ -242,22 +243,34 @@ _aside = threading.local()
 
 
 def studying() -> bool:
-    """Whether this thread is tracing a body for `study_body` (whose findings the micro-batched call reports)."""
+    """Whether this thread traces a function only to study what it computes: a body for `study_body`
+    (whose findings the micro-batched call reports), or a padded call for `jitting.padding_check`.
+    Micro-batched calls inside such a trace run their body once, on the whole batch, and report
+    nothing: what a micro-batched function computes is its body's result on the batch, and the
+    slices and merges of micro-batching would read, to the study, as rows picked and as numbers
+    taken from the batch size."""
     return getattr(_aside, "active", False)
+
+
+@contextlib.contextmanager
+def study_trace() -> Iterator[None]:
+    """Within: this thread traces only to study (see `studying`)."""
+    was_studying = studying()
+    _aside.active = True
+    try:
+        yield
+    finally:
+        _aside.active = was_studying
 
 
 def _trace_aside(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any]) -> Program | None:
     """Trace `body` on its own, outside any trace in progress; None if it cannot be traced on its own."""
     args, kwargs = optree.tree_unflatten(tree, list(leaves))
-    was_studying = studying()
-    _aside.active = True
     try:
-        with outside_current_trace():
+        with study_trace(), outside_current_trace():
             return trace_function(body, args, kwargs)
     except TraceError:        # not studied: see the module docstring
         return None
-    finally:
-        _aside.active = was_studying
 
 
 def _abstract(leaf: Any) -> Any:

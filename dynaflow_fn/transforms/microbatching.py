@@ -241,6 +241,8 @@ def _listing(splits: Sequence[_Split], per_size: int = 2) -> str:
 
 
 def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if studying():                  # a trace that studies what the function computes: the body's result
+        return body(*args, **kwargs)
     names = argument_names(body, len(args))
     paths, leaves, tree = optree.tree_flatten_with_path((args, kwargs), none_is_leaf=True)
     axes, splits = _split_axes(p.in_axes, args, paths, leaves, names)
@@ -253,10 +255,8 @@ def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, *
     if p.num > 1:
         facts = p.body_facts(body, tree, leaves, [path_to_str(path, names) for path in paths], axes, chunk_sizes[0])
     recorder = active_recorder()
-    report = not studying()
-    if report:
-        for text in facts.warnings:
-            warn(text)
+    for text in facts.warnings:
+        warn(text)
     results, start = [], 0
     for index, size in enumerate(chunk_sizes):
         if recorder is None:
@@ -265,7 +265,7 @@ def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, *
             with recorder.scope(ScopeKind.MICROBATCH, f"mb{index}", index=index):
                 results.append(_call_slice(body, tree, leaves, axes, start, size))
         start += size
-    return _merge(p.out_axes, results, chunk_sizes, facts, report)
+    return _merge(p.out_axes, results, chunk_sizes, facts)
 
 
 def _call_slice(body: Callable[..., Any], tree: Any, leaves: Sequence[Any], axes: Sequence[int | None],
@@ -276,7 +276,7 @@ def _call_slice(body: Callable[..., Any], tree: Any, leaves: Sequence[Any], axes
     return body(*call_args, **call_kwargs)
 
 
-def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: BodyFacts, report: bool) -> Any:
+def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: BodyFacts) -> Any:
     paths, first, tree = optree.tree_flatten_with_path(results[0], none_is_leaf=True)
     per_micro_batch = [first]
     for result in results[1:]:
@@ -293,9 +293,8 @@ def _merge(out_axes: Any, results: Sequence[Any], sizes: Sequence[int], facts: B
     for i, (where, axis) in enumerate(zip(wheres, axes)):
         values = [leaves[i] for leaves in per_micro_batch]
         merged.append(values[0] if where in facts.shared else _merge_leaf(where, axis, values, sizes))
-    if report:
-        for text in merge_warnings(facts, list(zip(wheres, axes, first)), len(results)):
-            warn(text)
+    for text in merge_warnings(facts, list(zip(wheres, axes, first)), len(results)):
+        warn(text)
     return optree.tree_unflatten(tree, merged)
 
 

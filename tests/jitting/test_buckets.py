@@ -529,3 +529,29 @@ def test_cumulative_ops_along_the_batch_pad_exactly_without_a_warning_and_still_
     with pytest.warns(UserWarning, match=r"aten\.flip works along the batch axis"):
         got = df.jit(lambda x: fn(x).flip(0), buckets=(4, 8), in_axes=0, backend="eager")(x)
     assert not torch.allclose(got, fn(x).flip(0))
+
+
+@pytest.mark.parametrize("split", [
+    lambda fn: T.microbatch(fn, num=2, in_axes=(None, 0)),
+    lambda fn: T.overlap(T.microbatch(fn, num=2, in_axes=(None, 0)), strategy="tbo"),
+    lambda fn: T.microbatch(T.microbatch(fn, num=2, in_axes=(None, 0)), num=2, in_axes=(None, 0)),
+], ids=["microbatch", "tbo", "microbatch-twice"])
+def test_an_explicitly_micro_batched_function_pads_without_warnings(split):
+    """Micro-batching's own slices and merge are no rows picked and no batch size read: the padding
+    check studies what the function computes, its body on the whole batch."""
+    fn, params = df.pure(MLP())
+    fast = df.jit(split(fn), buckets=(4, 8, 16), in_axes=(None, 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (5, 7, 13):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(fast(params, x), fn(params, x))
+    assert [str(w.message) for w in caught] == []
+
+
+def test_a_micro_batched_function_whose_rows_interact_still_warns_under_buckets():
+    centered = lambda x: x - x.mean(0)   # noqa: E731
+    fast = df.jit(T.microbatch(centered, num=2), buckets=(8,), in_axes=0)
+    with pytest.warns(UserWarning, match=r"with buckets: aten\.sub\.Tensor combines a value mixed across the batch "
+                                         r"rows \(by aten\.mean\.dim\)"):
+        fast(torch.randn(7, 3))

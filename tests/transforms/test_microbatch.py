@@ -383,6 +383,22 @@ def test_rows_written_into_the_rows_at_positions_an_index_holds_warn(fn):
     assert not torch.allclose(got, fn(x, index))                # what the warning is about
 
 
+def test_micro_batching_twice_studies_the_inner_function_on_the_whole_batch(no_microbatch_warnings):
+    """The outer body is the inner micro-batched function: its slices and merge are no rows picked and
+    no batch size read."""
+    fn, params = df.pure(MLP())
+    twice = T.microbatch(T.microbatch(fn, num=2, in_axes=(None, 0)), num=2, in_axes=(None, 0))
+    x = torch.randn(7, 32)
+    torch.testing.assert_close(df.jit(twice)(params, x), fn(params, x))
+    torch.testing.assert_close(twice(params, x), fn(params, x))
+
+
+def test_micro_batching_twice_a_function_whose_rows_interact_warns():
+    centered = lambda x: x - x.mean(0)   # noqa: E731
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.sub\.Tensor combines a value mixed across the batch"):
+        df.jit(T.microbatch(T.microbatch(centered, num=2), num=2))(torch.randn(8, 3))
+
+
 def test_an_in_place_update_of_a_shared_input_warns():
     def count(calls, x):
         calls.add_(1)
