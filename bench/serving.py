@@ -44,6 +44,10 @@ captures, the memory the graphs hold (df's own count, and torch.cuda.memory_allo
 memory_reserved after minus before, caches emptied), and the fraction of tokens equal to eager's.
 compile-ro's memory over 16 sizes is a lower bound of its memory over all 121.
 
+`decode-sizes`: the decode walk's step at batch sizes just past a bucket (DECODE_SIZES), df-exact,
+df-buckets and compile-ro taking turns (CUDA events, medians): df-exact against compile-ro is a plan's
+speed against Inductor's graph at one size, df-buckets against df-exact the cost of its padded rows.
+
 `serve-llama`: examples/serve_llama.py's loop (its GPU model, fp32: the tokens are checked against
 transformers' generate) with the step under df.jit (decode and prefill attention on two streams, or
 one), against the same loop with the step under torch.compile(mode="reduce-overhead", dynamic=False)
@@ -54,7 +58,7 @@ whose tokens differ from generate()'s.
 
 Writes bench/results/serving.json (serving-<cases>.json for a subset).
 
-    python -m bench.serving [--cases llama qwen2 decode-walk serve-llama] [--repeats 5]
+    python -m bench.serving [--cases llama qwen2 decode-walk decode-sizes serve-llama] [--repeats 5]
                             [--generate-variants df "df (one cache)" ...] [--rounds 1]
                             [--walk-variants df-buckets df-exact compile-ro] [--walk-largest 256]
                             [--walk-sample 16] [--walk-sample-only] [--walk-rounds 5]
@@ -80,9 +84,9 @@ import torch.nn.functional as F
 
 import dynaflow_fn as df
 from dynaflow_fn.compat import clear_cublas_workspaces
-from dynaflow_fn.jitting.buckets import BucketTable
+from dynaflow_fn.jitting.buckets import SERVING_BUCKETS, BucketTable
 
-from .common import compiled_per_shape, mark_static, print_table, relative_error, release, write_results
+from .common import compiled_per_shape, mark_static, print_table, relative_error, release, time_variants, write_results
 
 MAX_REL_ERR = 5e-2
 """bf16 logits of a random-weight model through 8-28 layers differ by 1e-2 to 3e-2 between kernel choices
@@ -244,7 +248,7 @@ def generate_variant(name: str, variant: str, repeats: int, path: str) -> None:
 
 # --- decode-walk: a decode loop whose batch moves over 1..256 ---------------------------------------
 
-DECODE_WALK, SERVE_LLAMA = "decode-walk", "serve-llama"
+DECODE_WALK, DECODE_STEP, SERVE_LLAMA = "decode-walk", "decode-sizes", "serve-llama"
 WALK_MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
                   num_attention_heads=16, num_key_value_heads=8)
 WALK_STEPS, WALK_LARGEST, WALK_POSITION = 200, 256, 512
@@ -311,24 +315,69 @@ def held_memory_mb() -> tuple[float, float]:
     return torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
 
 
+def decode_setup(largest: int) -> tuple[Any, torch.nn.Module, Any, dict, dict[int, dict[str, torch.Tensor]]]:
+    """The decode step's pieces for batches up to `largest`: examples/serve_llama.py, the model, its KV
+    cache (marked static for torch.compile), a one-token dummy chunk (decode only), and each batch
+    size's decode inputs (every row at WALK_POSITION, in a slot of its own)."""
+    serve = serve_example()
+    max_len = WALK_POSITION + 8
+    model = serve.build_model(WALK_MODEL, max_len, "cuda", torch.bfloat16)
+    cache = serve.KVCache(model.config, largest, max_len, "cuda", torch.bfloat16)
+    mark_static(cache.keys, cache.values)
+    chunk = serve.chunk_inputs(None, 1, cache.dummy, "cuda")
+    generator = torch.Generator("cuda").manual_seed(0)
+    inputs = {rows: {"tokens": torch.randint(1, WALK_MODEL["vocab_size"], (rows,), device="cuda", generator=generator),
+                     "positions": torch.full((rows,), WALK_POSITION, device="cuda"),
+                     "slots": torch.arange(rows, device="cuda")} for rows in range(1, largest + 1)}
+    return serve, model, cache, chunk, inputs
+
+
+DECODE_SIZES = (61, 130, 201)
+"""Batch sizes just past a bucket of "serving" (padded to 64, 136, 208: 3 to 7 padded rows)."""
+
+
+def run_sizes(sizes: Sequence[int] = DECODE_SIZES, rounds: int = WALK_ROUNDS) -> list[dict[str, Any]]:
+    """The decode walk's step at a few batch sizes, the three walk variants taking turns (CUDA events,
+    medians). Splits df-buckets' gap to compile-ro into its two parts: df-exact against compile-ro is
+    the speed of a plan against Inductor's graph at one size; df-buckets against df-exact is the cost
+    of the padded rows (`padded_share`: padded rows over real ones)."""
+    serve, model, cache, chunk, inputs = decode_setup(max(sizes))
+    steps = {variant: walk_variant(variant, serve, model, cache, len(sizes)) for variant in WALK_VARIANTS}
+    table = BucketTable(SERVING_BUCKETS)
+    rows_out = []
+    def one_step(step, rows):
+        return step(cache.keys, cache.values, inputs[rows], chunk)[0].clone()   # cudagraph trees overwrite it
+
+    with torch.no_grad():
+        for rows in sizes:
+            calls = {variant: functools.partial(one_step, step, rows) for variant, step in steps.items()}
+            for call in calls.values():
+                for _ in range(3):           # plan or compile, then let cudagraph trees record
+                    call()
+            timed = time_variants(calls, rounds=rounds, repeats=10, inner=10)
+            bucket = table.bucket(rows)
+            rows_out += [{"case": f"decode step at batch {rows} (bucket {bucket})", "variant": variant,
+                          "median_ms": timed[variant]["median_ms"], "p10_ms": timed[variant]["p10_ms"],
+                          "p90_ms": timed[variant]["p90_ms"], "padded_share": (bucket - rows) / rows}
+                         for variant in steps]
+    for row in rows_out:
+        peers = {r["variant"]: r["median_ms"] for r in rows_out if r["case"] == row["case"]}
+        row["vs_compile_ro"] = peers["compile-ro"] / row["median_ms"]
+        row["vs_df_exact"] = peers["df-exact"] / row["median_ms"]
+    del steps
+    release()
+    return rows_out
+
+
 def run_walk(variants: Sequence[str] = WALK_VARIANTS, largest: int = WALK_LARGEST, sample: int = WALK_SAMPLE,
              whole: bool = True, rounds: int = WALK_ROUNDS) -> list[dict[str, Any]]:
     """The decode walk over batch sizes 1..largest. Every variant plans `sample` of the sizes the walk
     visits, and the variants take turns `rounds` times over the walk's steps at them, in the walk's
     order (see WALK_SAMPLE); then, if `whole`, df-buckets plans every size the walk visits and is timed
     on the whole walk."""
-    serve = serve_example()
+    serve, model, cache, chunk, inputs = decode_setup(largest)
     case = (f"decode walk: {WALK_MODEL['num_hidden_layers']} Llama-like layers bf16, batch 1..{largest} "
             f"over {WALK_STEPS} steps, {WALK_POSITION} cached tokens")
-    max_len = WALK_POSITION + 8
-    model = serve.build_model(WALK_MODEL, max_len, "cuda", torch.bfloat16)
-    cache = serve.KVCache(model.config, largest, max_len, "cuda", torch.bfloat16)
-    mark_static(cache.keys, cache.values)
-    chunk = serve.chunk_inputs(None, 1, cache.dummy, "cuda")     # a one-token dummy chunk: decode only
-    generator = torch.Generator("cuda").manual_seed(0)
-    inputs = {rows: {"tokens": torch.randint(1, WALK_MODEL["vocab_size"], (rows,), device="cuda", generator=generator),
-                     "positions": torch.full((rows,), WALK_POSITION, device="cuda"),
-                     "slots": torch.arange(rows, device="cuda")} for rows in range(1, largest + 1)}
     walk = batch_walk(WALK_STEPS, largest)
     visited = sorted(set(walk))
     picked = spread(visited, sample)
@@ -505,7 +554,7 @@ def run_serve() -> list[dict[str, Any]]:
     return with_ratio(rows, "compile-ro", "vs_compile_ro")
 
 
-CASES = (*CONFIGS, DECODE_WALK, SERVE_LLAMA)
+CASES = (*CONFIGS, DECODE_WALK, DECODE_STEP, SERVE_LLAMA)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -537,6 +586,7 @@ def main(argv: list[str] | None = None) -> None:
                      for row in run_case(name, args.repeats, args.generate_variants, args.rounds)]
     walk_rows = (run_walk(args.walk_variants, args.walk_largest, args.walk_sample, not args.walk_sample_only,
                           args.walk_rounds) if DECODE_WALK in args.cases else [])
+    size_rows = run_sizes(rounds=args.walk_rounds) if DECODE_STEP in args.cases else []
     serve_rows = run_serve() if SERVE_LLAMA in args.cases else []
     if generate_rows:
         print_table(generate_rows, ["case", "variant", "tokens_per_s", "vs_hf_compile_ro", "tokens_per_s_min",
@@ -548,6 +598,9 @@ def main(argv: list[str] | None = None) -> None:
                                 "tokens_per_s_max", "rounds", "sizes_planned", "first_pass_s",
                                 "first_pass_per_size_s", "captures", "graph_mb", "allocated_mb", "reserved_mb",
                                 "padding_waste", "tokens_match"], title="decode walk")
+    if size_rows:
+        print_table(size_rows, ["case", "variant", "median_ms", "p10_ms", "p90_ms", "vs_compile_ro", "vs_df_exact",
+                                "padded_share"], title="decode step per batch size (ms)")
     if serve_rows:
         print_table(serve_rows, ["variant", "tokens_per_s", "vs_compile_ro", "first_run_s", "steps", "captures",
                                  "graph_mb", "padding_waste", "mismatched"], title=serve_rows[0]["case"])
@@ -559,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     subset += ["sample-only"] if args.walk_sample_only else []
     whole = args.cases == list(CASES) and not subset
     name = "serving" if whole else f"serving-{'-'.join(args.cases + subset)}"
-    path = write_results(name, generate_rows + walk_rows + serve_rows, batch=BATCH, prompt=PROMPT,
+    path = write_results(name, generate_rows + walk_rows + size_rows + serve_rows, batch=BATCH, prompt=PROMPT,
                          new_tokens=NEW_TOKENS, max_rel_err=MAX_REL_ERR, walk_steps=WALK_STEPS,
                          walk_largest=args.walk_largest, walk_sample=args.walk_sample)
     print(f"wrote {path}")
