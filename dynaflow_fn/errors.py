@@ -74,7 +74,8 @@ class KernelError(DynaflowError, RuntimeError):
     failure depends on the values (an index out of range), or torch's shape-only (meta) kernels, which
     tracing runs, check less than some real ones do (the dtypes of a matrix product's operands). The
     message names the op, its node and its operands; eager PyTorch raises the same error (the cause) at
-    the line that calls the op."""
+    the line that calls the op. An op that runs but cannot be captured into a CUDA graph fails the same
+    way, and the message says so."""
 
 
 class InternalError(DynaflowError, AssertionError):

@@ -143,11 +143,15 @@ def kernel_error(plan: Plan, step: Step, env: Env, error: RuntimeError) -> Runti
         return error
     operands = ", ".join(type_str(env[slot]) for slot in step.reads()) or "no tensors"
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return KernelError(f"df.jit({plan.name}): {step.op} (node {step.node}) failed on {operands}: {first}. Tracing "
-                       f"accepted the op: the error depends on the values (an index out of range), or torch's "
-                       f"shape-only (meta) kernel, which tracing runs, checks less than the real one (the dtypes of "
-                       f"a matrix product). Eager PyTorch raises the same error at the line of {plan.name} that "
-                       f"calls the op.")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        why = ("It ran before the capture and failed only inside the plan's CUDA graph capture: the op cannot be "
+               "captured (it waits for the device, or allocates outside the graph's memory). backend=\"eager\" "
+               "runs the plan without a graph.")
+    else:
+        why = ("Tracing accepted the op: the error depends on the values (an index out of range), or torch's "
+               "shape-only (meta) kernel, which tracing runs, checks less than the real one (the dtypes of a "
+               f"matrix product). Eager PyTorch raises the same error at the line of {plan.name} that calls the op.")
+    return KernelError(f"df.jit({plan.name}): {step.op} (node {step.node}) failed on {operands}: {first}. {why}")
 
 
 OUTPUT_ALIGNMENT = 256

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import dynaflow_fn as df
 from dynaflow_fn.plan.plan import StorageKind
 from dynaflow_fn.runtime.eager import EagerExecutable
-from dynaflow_fn.runtime.interpreter import BoundPlan
+from dynaflow_fn.runtime.interpreter import BoundPlan, kernel_error
 from fixtures import RandomScheduler, build, example_inputs, flat_tensors, plan_of, recipes, scheduled
 from models import MLP, Block, ConvNet
 
@@ -141,3 +141,16 @@ def test_after_a_kernel_error_a_call_with_fitting_dtypes_equals_eager():
         jitted(torch.randn(4, 4), torch.randn(4, 4).double())
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     assert torch.equal(jitted(a, b), fn(a, b))
+
+
+def test_a_kernel_that_fails_only_inside_a_capture_says_so(monkeypatch):
+    """A kernel error raised while the plan's stream captures names the capture, not tracing."""
+    fn = lambda a, b: (a @ b).relu()   # noqa: E731
+    plan = plan_of(fn, torch.randn(4, 4), torch.randn(4, 4))
+    step = next(s for s in plan.steps if "mm" in str(s.op))
+    env = [torch.randn(4, 4)] * len(plan.slots)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    error = kernel_error(plan, step, env, RuntimeError("operation not permitted when stream is capturing"))
+    assert isinstance(error, df.errors.KernelError)
+    assert "failed only inside the plan's CUDA graph capture" in str(error) and "meta" not in str(error)
