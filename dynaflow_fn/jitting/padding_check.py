@@ -75,7 +75,7 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     axes = out_axes.axes(program.out_tree, optree.tree_unflatten(program.out_tree, specs))
     states = [flow.states.get(returned[spec.tensor_index]) if spec.tensor_index is not None else None for spec in specs]
     for spec, axis, state in zip(specs, axes, states):
-        if isinstance(state, Reduced):
+        if isinstance(state, Reduced) and not state.picked:          # `x[0]`: the real row 0, padded or not
             texts.append(f"{spec.path} is reduced over the batch rows (by {state.by}), so the padded rows enter it "
                          f"and cutting the outputs cannot take them out: compute it outside the padded function")
         elif spec.tensor_index is not None and state is None and axis is not None:

@@ -83,9 +83,12 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
     rule = rule_for(target)
     if any(isinstance(state, tuple) for state in inputs) or (rule is None and reduced):
         return each_result(node, UNKNOWN)
-    if reduced:
-        return record_finding(node, flow, f"combines a value mixed across the batch rows (by {reduced[0].by}) "
-                                          f"with per-row data")
+    if reduced:                      # rows picked at fixed positions (`x - x[0]`) stay rows for padding
+        picked = all(state.picked for state in reduced)
+        found = record_finding(node, flow, f"combines a value mixed across the batch rows (by {reduced[0].by}) "
+                                           f"with per-row data", causal=picked)
+        if not picked:
+            return found
     bound = ops.bind_arguments(target, node.args, node.kwargs)
     if rule is None:
         return _unmodelled(node, bound, flow)
@@ -104,7 +107,8 @@ def _carried(node: fx.Node, flow: RowFlow, reduced: list[Reduced]) -> Reduced:
     broken = next((state.not_a_sum for state in reduced if state.not_a_sum), None)
     if broken is None and _breaks_sums(node, flow):
         broken = describe(node)
-    return Reduced(reduced[0].by, broken, broken is None and all(state.mean for state in reduced))
+    return Reduced(reduced[0].by, broken, broken is None and all(state.mean for state in reduced),
+                   all(state.picked for state in reduced))
 
 
 def _breaks_sums(node: fx.Node, flow: RowFlow) -> bool:

@@ -37,11 +37,14 @@ class Reduced:
     or a variance over the rows, a square root of a sum), or is None. Only such sums split: the
     micro-batches' sums add up to the batch's, and their means, weighted by rows, average to it.
     `mean` says it divides by the count of rows it reduced (`aten.mean`, a loss's "mean" reduction),
-    so the micro-batches' values must be averaged, not added."""
+    so the micro-batches' values must be averaged, not added. `picked` says it is made from rows picked
+    at fixed positions only (`x[0]`): rows appended after the batch, as padding appends them, leave it
+    as it is, while each micro-batch picks a row of its own."""
 
     by: str
     not_a_sum: str | None = None
     mean: bool = False
+    picked: bool = False
 
 
 class _Unknown:
@@ -114,11 +117,11 @@ class RuleCall:
     def result(self, state: State) -> State:
         return each_result(self.node, state)
 
-    def reduced(self, sum_of_rows: bool, mean: bool = False) -> Reduced:
+    def reduced(self, sum_of_rows: bool, mean: bool = False, picked: bool = False) -> Reduced:
         """The state of a value this node makes by mixing rows of the batch: a sum or mean of one
-        term per row (`sum_of_rows`; a mean if `mean`), or not."""
+        term per row (`sum_of_rows`; a mean if `mean`), or not; `picked`: one row at a fixed position."""
         by = describe(self.node)
-        return Reduced(by, None if sum_of_rows else by, mean and sum_of_rows)
+        return Reduced(by, None if sum_of_rows else by, mean and sum_of_rows, picked)
 
     def report(self, reason: str, causal: bool = False) -> State:
         return record_finding(self.node, self.flow, reason, causal)

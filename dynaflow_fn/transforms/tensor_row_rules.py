@@ -149,10 +149,12 @@ def _t(call: RuleCall) -> State:
 
 
 def _select(call: RuleCall) -> State:
+    """`x[i]` along the batch axis picks one row. A non-negative `i` names the same row of a padded
+    batch (the call would have failed were it past the real rows); `x[-1]` picks a padded one."""
     state = call.state("self")
     dim = call.bound["dim"] % call.rank(call.bound["self"])
     if dim == state.axis:
-        return call.result(call.reduced(sum_of_rows=False))          # one row picked
+        return call.result(call.reduced(sum_of_rows=False, picked=call.bound["index"] >= 0))
     return call.result(moved(state, state.axis - (dim < state.axis)))
 
 

@@ -4,6 +4,7 @@ cut back to the real rows; the bucket plans of one argument structure share thei
 import threading
 import warnings
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -555,3 +556,29 @@ def test_a_micro_batched_function_whose_rows_interact_still_warns_under_buckets(
     with pytest.warns(UserWarning, match=r"with buckets: aten\.sub\.Tensor combines a value mixed across the batch "
                                          r"rows \(by aten\.mean\.dim\)"):
         fast(torch.randn(7, 3))
+
+
+@pytest.mark.parametrize("fn, out_axes", [(lambda x: x - x[0], 0), (lambda x: x * x[1].sum(), 0),
+                                          (lambda x: (x * 2, x[0]), (0, None))],
+                         ids=["minus-row-0", "times-row-1-sum", "returns-row-0"])
+def test_a_row_picked_at_a_fixed_position_pads_without_warnings(fn, out_axes):
+    """Padded rows come after the real ones, so `x[0]` is the real row 0 in the padded batch too."""
+    fast = df.jit(fn, buckets=(8,), in_axes=0, out_axes=out_axes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (3, 5):
+            x = torch.randn(rows, 3)
+            for got, want in zip(optree.tree_leaves(fast(x)), optree.tree_leaves(fn(x))):
+                assert torch.equal(got, want)
+    assert [str(w.message) for w in caught] == []
+
+
+def test_the_last_row_picked_warns_under_buckets_and_a_fixed_row_under_micro_batching():
+    """`x[-1]` is a padded row of the padded batch; each micro-batch's `x[0]` is a row of its own."""
+    with pytest.warns(UserWarning, match=r"with buckets: aten\.sub\.Tensor combines a value mixed across the batch "
+                                         r"rows \(by aten\.select\.int\)"):
+        got = df.jit(lambda x: x - x[-1], buckets=(8,), in_axes=0)(torch.randn(5, 3))
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.sub\.Tensor combines a value mixed across the batch "
+                                         r"rows \(by aten\.select\.int\)"):
+        df.jit(T.microbatch(lambda x: x - x[0], num=2))(torch.randn(6, 3))
+    assert got.shape == (5, 3)
