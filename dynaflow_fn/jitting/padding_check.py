@@ -40,7 +40,7 @@ from ..errors import PaddedUpdateError, TraceError, UnpaddableError
 from ..ir import ops
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
-from ..transforms.batch_size_reads import returned_numbers, size_reads
+from ..transforms.batch_size_reads import returned_numbers, same_number, size_reads
 from ..transforms.row_states import Reduced, Rows, describe
 from .buckets import BatchLayout, OutputAxes
 
@@ -152,7 +152,7 @@ def refuse_unpaddable_outputs(program: Program, again: Program, rows: int, again
     again_returned = again.output_node().args[0]
     for spec in again.outputs:
         seen = numbers.get(spec.path)
-        if spec.path in numbers and spec.static_value != seen and seen == seen:      # a NaN differs from itself
+        if spec.path in numbers and not same_number(seen, spec.static_value):
             reason = (f"{program.name} returns {spec.path} = {numbers[spec.path]!r} at a batch of {rows} rows and "
                       f"{spec.static_value!r} at {again_rows}: a number computed from the batch size, baked into each "
                       f"bucket's plan at the padded size, so a padded call would return the bucket's value, not the "

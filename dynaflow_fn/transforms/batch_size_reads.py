@@ -77,6 +77,12 @@ def returned_numbers(program: Program) -> dict[str, Any]:
             if o.tensor_index is None and not isinstance(o.static_value, (str, type(None)))}
 
 
+def same_number(value: Any, again: Any) -> bool:
+    """Whether two traces' values of one number are the same, a NaN counting as the same as a NaN
+    (it differs from itself): values that differ were computed from the batch size."""
+    return value == again or (value != value and again != again)
+
+
 def size_reads(at: Program, again: Program, rows: int, again_rows: int, same_layouts: bool = True) -> SizeReads:
     """The function's reads of its batch size that give its rows another value at another batch size,
     from its traces at `rows` rows (`at`) and at `again_rows` (`again`). Traces that differ in their ops
@@ -149,8 +155,7 @@ def _value_reads(node: fx.Node, other: fx.Node, rows: int, again_rows: int) -> I
         sized = bool(_SIZE_TYPE.search(str(argument.type)))
         positions = argument.name in _ROW_POSITIONS.get(name, ())
         for number, number_again in zip(optree.tree_leaves(value), optree.tree_leaves(value_again)):
-            both_nan = number != number and number_again != number_again
-            if not _is_number(number) or number == number_again or both_nan:
+            if not _is_number(number) or same_number(number, number_again):
                 continue
             if (not sized or argument.name in _SPREAD_OVER.get(name, ())
                     or (positions and (number, number_again) != (rows, again_rows))):

@@ -41,7 +41,7 @@ from ..ir.program import Program
 from ..ir.tree import TensorSpec
 from ..tracing.tracer import trace_function
 from .batch_rows import follow_rows, reads_values
-from .batch_size_reads import SizeReads, returned_numbers, size_reads
+from .batch_size_reads import SizeReads, returned_numbers, same_number, size_reads
 from .row_states import Reduced, State, describe
 
 _CHANGES_MEANING = ("Each micro-batch sees only its own rows, so the micro-batched function computes something "
@@ -235,8 +235,7 @@ def _sized_numbers(micro: Program, full: Program) -> list[str]:
     return [f"microbatch: {path} is {value!r} for a micro-batch but {whole.get(path)!r} for the whole batch, a "
             f"number computed from the batch size; the micro-batched function returns the micro-batch's. Compute "
             f"it outside the micro-batched function."
-            for path, value in returned_numbers(micro).items()
-            if whole.get(path) != value and value == value]              # a NaN differs from itself
+            for path, value in returned_numbers(micro).items() if not same_number(whole.get(path), value)]
 
 
 _aside = threading.local()

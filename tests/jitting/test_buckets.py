@@ -582,3 +582,14 @@ def test_the_last_row_picked_warns_under_buckets_and_a_fixed_row_under_micro_bat
                                          r"rows \(by aten\.select\.int\)"):
         df.jit(T.microbatch(lambda x: x - x[0], num=2))(torch.randn(6, 3))
     assert got.shape == (5, 3)
+
+
+def test_a_returned_nan_is_the_same_number_at_every_batch_size():
+    """NaN differs from itself; returned by both traces it is no number computed from the batch size."""
+    fn = lambda x: (x * 2, float("nan"))   # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        padded = df.jit(fn, buckets=(8,), in_axes=0, out_axes=(0, None))(torch.randn(5, 3))
+        split = df.jit(T.microbatch(fn, num=2, out_axes=(0, None)))(torch.randn(6, 3))
+    assert [str(w.message) for w in caught] == []
+    assert padded[1] != padded[1] and split[1] != split[1]
