@@ -78,6 +78,11 @@ class KernelError(DynaflowError, RuntimeError):
     way, and the message says so."""
 
 
+class KernelIndexError(KernelError, IndexError):
+    """A `KernelError` from an index out of range (`embedding` of a token id past the table, on the
+    CPU): an IndexError too, as eager PyTorch's error is."""
+
+
 class InternalError(DynaflowError, AssertionError):
     """An invariant of dynaflow_fn itself broke: a bug in dynaflow_fn, not in the caller's code.
     The message names the invariant; please report it with the code that raised it."""

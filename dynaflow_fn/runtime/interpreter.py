@@ -14,7 +14,7 @@ import optree
 import torch
 
 from ..compat import sm_carveout, sm_carveout_supported
-from ..errors import DynaflowError, InternalError, KernelError
+from ..errors import DynaflowError, InternalError, KernelError, KernelIndexError
 from ..ir.formatting import type_str
 from ..ir.ops import op_info
 from ..ir.tree import picker
@@ -135,10 +135,10 @@ def _release_schedule(plan: Plan) -> tuple[list[list[int]], list[list[int]]]:
     return release, foreign
 
 
-def kernel_error(plan: Plan, step: Step, env: Env, error: RuntimeError) -> RuntimeError:
+def kernel_error(plan: Plan, step: Step, env: Env, error: Exception) -> Exception:
     """What a step's failure raises: a `KernelError` naming the op, its node and its operands, since the
-    kernel's own message names none of them; the error itself where it already says what happened
-    (dynaflow_fn's own errors, running out of memory)."""
+    kernel's own message names none of them (a `KernelIndexError` for an IndexError); the error itself
+    where it already says what happened (dynaflow_fn's own errors, running out of memory)."""
     if isinstance(error, (DynaflowError, torch.OutOfMemoryError)):
         return error
     operands = ", ".join(type_str(env[slot]) for slot in step.reads()) or "no tensors"
@@ -151,7 +151,8 @@ def kernel_error(plan: Plan, step: Step, env: Env, error: RuntimeError) -> Runti
         why = ("Tracing accepted the op: the error depends on the values (an index out of range), or torch's "
                "shape-only (meta) kernel, which tracing runs, checks less than the real one (the dtypes of a "
                f"matrix product). Eager PyTorch raises the same error at the line of {plan.name} that calls the op.")
-    return KernelError(f"df.jit({plan.name}): {step.op} (node {step.node}) failed on {operands}: {first}. {why}")
+    kind = KernelIndexError if isinstance(error, IndexError) else KernelError
+    return kind(f"df.jit({plan.name}): {step.op} (node {step.node}) failed on {operands}: {first}. {why}")
 
 
 OUTPUT_ALIGNMENT = 256
@@ -226,7 +227,7 @@ class BoundPlan:
             for step, runner, dead in zip(self.plan.steps, self.runners, release):
                 try:
                     runner(env)
-                except RuntimeError as error:
+                except (RuntimeError, IndexError) as error:
                     raise kernel_error(self.plan, step, env, error) from error
                 for slot in dead:
                     env[slot] = None
@@ -246,7 +247,7 @@ class BoundPlan:
                         on = step.stream
                     try:
                         runner(env)
-                    except RuntimeError as error:
+                    except (RuntimeError, IndexError) as error:
                         raise kernel_error(self.plan, step, env, error) from error
                     for event in step.records:
                         events[event].record(stream)
