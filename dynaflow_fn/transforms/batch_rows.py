@@ -51,7 +51,19 @@ def follow_rows(graph: fx.Graph, split_axes: dict[str, int], rows: int) -> RowFl
             flow.states[node] = None
         elif node.op == "call_function":
             flow.states[node] = _transfer(node, flow, rows)
+            if flow.states[node] is None and _made_here(node, flow):
+                flow.made.add(node)
     return flow
+
+
+def _made_here(node: fx.Node, flow: RowFlow) -> bool:
+    """Whether a value that reads no row is a tensor the function makes itself (`RowFlow.made`): an op
+    that reads no value (`torch.zeros(b, d)`, `x.new_zeros(...)`), or a view of such a tensor."""
+    if not isinstance(node.target, OpOverload):
+        return False
+    if ops.is_view(node.target):
+        return isinstance(node.args[0], fx.Node) and node.args[0] in flow.made
+    return not reads_values(node)
 
 
 def reads_values(node: fx.Node) -> list[fx.Node]:
@@ -140,9 +152,14 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
     """An op no rule models stops the analysis (UNKNOWN), unless its arguments name the batch axis of
     the tensor it works on: `flip(x, [0])`, `roll`, `gather`, `index_select`, `x[idx]`, `repeat` reorder,
     pick or copy rows of the batch, so a micro-batch or a padded batch gives other rows than the whole
-    one. Staying quiet there would leave such a function computing something else without a word."""
-    state = bound.get("self", bound.get("input"))
-    state = flow.states.get(state) if isinstance(state, fx.Node) else None
+    one. Staying quiet there would leave such a function computing something else without a word. A
+    write into a tensor the function makes (`RowFlow.made`) at positions the rows' data holds places
+    the rows where data says: a value mixed across them (added up with `accumulate`)."""
+    into = bound.get("self", bound.get("input"))
+    state = flow.states.get(into) if isinstance(into, fx.Node) else None
+    if state is None and into in flow.made and _indexed_by_rows(bound, flow):
+        by = describe(node)                          # `out = zeros(b, d); out[index] = x`: data places the rows
+        return each_result(node, Reduced(by, None if bound.get("accumulate") else by))
     if not isinstance(state, Rows):
         return each_result(node, UNKNOWN)
     rank = max(_rank(bound.get("self", bound.get("input"))), 1)
@@ -151,6 +168,13 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
         return record_finding(node, flow, f"works along the batch axis ({named[state.axis]}), so rows of the "
                                           f"result read or move other rows of the batch")
     return each_result(node, UNKNOWN)
+
+
+def _indexed_by_rows(bound: dict[str, Any], flow: RowFlow) -> bool:
+    """Whether an index argument (`index`, or a tensor of `indices`) holds the batch rows' data."""
+    indices = bound.get("indices")
+    candidates = [bound.get("index"), *(indices if isinstance(indices, (list, tuple)) else ())]
+    return any(isinstance(flow.states.get(index), Rows) for index in candidates if isinstance(index, fx.Node))
 
 
 def _named_axes(bound: dict[str, Any], rank: int) -> dict[int, str]:

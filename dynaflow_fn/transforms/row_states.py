@@ -8,7 +8,7 @@ states so far, and returns the node's state or records a `Finding`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,10 +82,15 @@ def describe(node: fx.Node) -> str:
 
 @dataclass
 class RowFlow:
-    """The state of every node of a graph, and the findings on the way."""
+    """The state of every node of a graph, and the findings on the way. `made` holds the values that
+    read no batch row and that the function makes itself (`torch.zeros(b, d)`, views of it), not
+    inputs: a write into one at positions the rows choose gives a new value that depends on how
+    the batch is cut, where a write into an input (a KV cache at the rows' slots) updates state that
+    every part of the batch shares."""
 
     states: dict[fx.Node, State]
     findings: list[Finding]
+    made: set[fx.Node] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

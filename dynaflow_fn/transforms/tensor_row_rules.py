@@ -262,8 +262,9 @@ def _scatter(call: RuleCall) -> State:
     axis into a value that reads no row, rows land in slots that data chooses: added up (scatter_add,
     a "sum" reduce) they make a sum over the rows, reduced otherwise something else. Into the rows
     themselves (`zeros_like(x).scatter(0, index, x)`), data picks which row takes which: a part of the
-    batch picks among its own rows only. A plain write into a value that reads no row (a cache update)
-    stops the analysis."""
+    batch picks among its own rows only. A plain write at such positions into a tensor the function
+    makes (`zeros(b, d)`) mixes the rows the same way; into an input (a cache update) it stops the
+    analysis."""
     states = [call.flow.states[n] for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
     state, rank = same_rows(states), call.rank()
     if state is UNKNOWN or any(call.rank(n) != rank for n in call.node.all_input_nodes):
@@ -276,6 +277,8 @@ def _scatter(call: RuleCall) -> State:
         return call.result(call.reduced(sum_of_rows=added))
     if dim == state.axis and isinstance(call.state("self"), Rows):
         return _written_at_chosen_rows(call)
+    if call.state("self") is None and call.bound["self"] in call.flow.made and isinstance(call.state("index"), Rows):
+        return call.result(call.reduced(sum_of_rows=False))      # `zeros(b, d).scatter(0, index, x)`
     return call.result(UNKNOWN)
 
 

@@ -593,3 +593,16 @@ def test_a_returned_nan_is_the_same_number_at_every_batch_size():
         split = df.jit(T.microbatch(fn, num=2, out_axes=(0, None)))(torch.randn(6, 3))
     assert [str(w.message) for w in caught] == []
     assert padded[1] != padded[1] and split[1] != split[1]
+
+
+def test_rows_placed_by_an_index_into_a_tensor_the_function_makes_warn():
+    """A padded row's index (0) places a padded row over the real row 0."""
+    def placed(x, index):
+        out = torch.zeros(x.shape[0], x.shape[1])
+        out[index] = x
+        return out
+
+    x, index = torch.randn(3, 5), torch.tensor([2, 0, 1])
+    with pytest.warns(UserWarning, match=r"with buckets: out is reduced over the batch rows \(by aten\.index_put"):
+        got = df.jit(placed, buckets=(4,), in_axes=(0, 0))(x, index)
+    assert not torch.equal(got, placed(x, index))

@@ -399,6 +399,27 @@ def test_micro_batching_twice_a_function_whose_rows_interact_warns():
         df.jit(T.microbatch(T.microbatch(centered, num=2), num=2))(torch.randn(8, 3))
 
 
+def _placed_by_index(x, index):
+    out = torch.zeros(x.shape[0], x.shape[1])
+    out[index] = x
+    return out
+
+
+@pytest.mark.parametrize("fn", [
+    _placed_by_index,
+    lambda x, index: torch.zeros(x.shape[0], x.shape[1]).scatter(0, index[:, None].expand_as(x), x),
+    lambda x, index: x.new_zeros(x.shape).index_copy(0, index, x),
+], ids=["index_put", "scatter", "index_copy"])
+def test_rows_written_into_a_tensor_the_function_makes_at_positions_an_index_holds_warn(fn):
+    """`out = zeros(b, d); out[index] = x`: each micro-batch makes its own `out` and places its rows at
+    positions numbered for the whole batch. A write at the rows' positions into an input (a KV cache
+    at the rows' slots) stays quiet: every micro-batch writes the one cache."""
+    x, index = torch.randn(6, 4), torch.tensor([2, 1, 0, 1, 0, 2])
+    with pytest.warns(UserWarning, match=r"microbatch: out is reduced over the batch rows \(by aten\.\w+"):
+        got = df.jit(T.microbatch(fn, num=2, in_axes=(0, 0)))(x, index)
+    assert not torch.allclose(got, fn(x, index))
+
+
 def test_an_in_place_update_of_a_shared_input_warns():
     def count(calls, x):
         calls.add_(1)
