@@ -146,10 +146,11 @@ class Bucketing:
         if self._checked:
             return
         rows = layout.rows(flat.leaves)
-        with study_trace():                   # T.microbatch inside: its body on the whole batch
-            texts = padding_warnings(trace_flat(self.jitted.fn, flat), layout, flat.leaves, self.outputs,
-                                     not self.jitted.options.pads_with_zeros,
-                                     lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)))
+        with study_trace() as study:          # T.microbatch inside: its body on the whole batch
+            program = trace_flat(self.jitted.fn, flat)
+            texts = padding_warnings(program, layout, flat.leaves, self.outputs, not self.jitted.options.pads_with_zeros,
+                                     lambda more: trace_flat(self.jitted.fn, _padded_flat(layout, flat, rows, more)),
+                                     study.microbatched)
         if texts and self.jitted.options.refuse_inexact_padding:
             reason = "; ".join(texts)
             raise UnpaddableError(f"df.jit({self.jitted.name}) with buckets: {reason}", reason)

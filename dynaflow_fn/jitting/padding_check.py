@@ -48,11 +48,15 @@ _COPY_ = torch.ops.aten.copy_.default
 
 
 def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any], out_axes: OutputAxes,
-                     pad_value_given: bool, traced_at: Callable[[int], Program]) -> list[str]:
+                     pad_value_given: bool, traced_at: Callable[[int], Program], microbatched: bool = False
+                     ) -> list[str]:
     """Why padding `program` (traced on `leaves`, a call padded to a bucket) may change its real rows'
     results, as warning texts; raises InputError for a batched input it updates in place and for
     outputs padding would return wrong (`refuse_unpaddable_outputs`). `traced_at(rows)` traces the
-    function at another batch size, for what two traces show (`transforms.batch_size_reads`)."""
+    function at another batch size, for what two traces show (`transforms.batch_size_reads`).
+    `microbatched`: the function splits its batch with T.microbatch (`program` holds its body on the
+    whole batch), so padding moves where it splits, and rows that read the rows before them
+    (`cumsum`, `x - x[0]`) read other ones."""
     rows = layout.rows(leaves)
     batch_axes = {program.inputs[b.position].node_name: b.axis % leaves[b.position].dim() for b in layout.batched}
     updates = {node.args[0].name: node.args[1] for node in program.ops()
@@ -70,6 +74,10 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     texts = [f"{finding}. Padded rows join the batch, so the real rows' results would depend on them. Pad only "
              f"functions whose rows are independent (BatchNorm in eval mode), or call this one at bucket sizes"
              for finding in flow.findings if not finding.causal]     # padding appends rows after the real ones
+    if microbatched:
+        texts += [f"{finding}, and T.microbatch splits the padded batch elsewhere than the real one, so the real rows' "
+                  f"micro-batches change: pad only functions whose rows are independent, or call this one at "
+                  f"bucket sizes" for finding in flow.findings if finding.causal]
     returned = program.output_node().args[0]
     specs = list(program.outputs)
     axes = out_axes.axes(program.out_tree, optree.tree_unflatten(program.out_tree, specs))

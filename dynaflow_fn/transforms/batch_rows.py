@@ -162,12 +162,26 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
         return each_result(node, Reduced(by, None if bound.get("accumulate") else by))
     if not isinstance(state, Rows):
         return each_result(node, UNKNOWN)
+    packet = ops.op_info(node.target).packet
+    if packet in _FLAT_POSITIONS:
+        return record_finding(node, flow, "indexes the tensor as one flat vector, so its positions number the "
+                                          "elements of all the rows, and a part of the batch numbers its own")
+    if packet == "aten.masked_scatter":
+        states = [flow.states.get(n) for n in node.all_input_nodes]
+        in_order = all(s == Rows(0) for s in states if isinstance(s, Rows))
+        return record_finding(node, flow, "takes the source's elements in the order of the mask's positions across "
+                                          "all the rows, so a part of the batch starts at the source's first",
+                              causal=in_order)     # rows along axis 0: a row takes elements after the rows before it
     rank = max(_rank(bound.get("self", bound.get("input"))), 1)
     named = _named_axes(bound, rank)
     if state.axis in named:
         return record_finding(node, flow, f"works along the batch axis ({named[state.axis]}), so rows of the "
                                           f"result read or move other rows of the batch")
     return each_result(node, UNKNOWN)
+
+
+_FLAT_POSITIONS = frozenset({"aten.put", "aten.take"})
+"""Ops that index their input as one flat vector: an index names positions across all its rows."""
 
 
 def _indexed_by_rows(bound: dict[str, Any], flow: RowFlow) -> bool:

@@ -241,25 +241,40 @@ def _sized_numbers(micro: Program, full: Program) -> list[str]:
 _aside = threading.local()
 
 
+@dataclass
+class Study:
+    """What a trace made only to study a function met: `microbatched`, a micro-batched call, which it
+    ran unsplit (see `studying`)."""
+
+    microbatched: bool = False
+
+
 def studying() -> bool:
     """Whether this thread traces a function only to study what it computes: a body for `study_body`
     (whose findings the micro-batched call reports), or a padded call for `jitting.padding_check`.
     Micro-batched calls inside such a trace run their body once, on the whole batch, and report
-    nothing: what a micro-batched function computes is its body's result on the batch, and the
-    slices and merges of micro-batching would read, to the study, as rows picked and as numbers
-    taken from the batch size."""
-    return getattr(_aside, "active", False)
+    nothing (`ran_unsplit`): what a micro-batched function computes is its body's result on the
+    batch, and the slices and merges of micro-batching would read, to the study, as rows picked and
+    as numbers taken from the batch size."""
+    return getattr(_aside, "study", None) is not None
+
+
+def ran_unsplit() -> None:
+    """Record, in the study under way, that a micro-batched call ran its body unsplit."""
+    _aside.study.microbatched = True
 
 
 @contextlib.contextmanager
-def study_trace() -> Iterator[None]:
-    """Within: this thread traces only to study (see `studying`)."""
-    was_studying = studying()
-    _aside.active = True
+def study_trace() -> Iterator[Study]:
+    """Within: this thread traces only to study (see `studying`); what the study met, in the `Study`."""
+    outer = getattr(_aside, "study", None)
+    study = _aside.study = Study()
     try:
-        yield
+        yield study
     finally:
-        _aside.active = was_studying
+        _aside.study = outer
+        if outer is not None and study.microbatched:
+            outer.microbatched = True
 
 
 def _trace_aside(body: Callable[..., Any], tree: optree.PyTreeSpec, leaves: Sequence[Any]) -> Program | None:

@@ -29,7 +29,7 @@ from ..ir.scopes import ScopeKind
 from ..ir.tree import argument_names, leaf_key, output_path_to_str, path_to_str
 from ..tracing.regions import active_recorder
 from .base import Pass, apply_transform, retraced
-from .microbatch_body import BodyFacts, study_body, studying
+from .microbatch_body import BodyFacts, ran_unsplit, study_body, studying
 from .microbatch_merges import merge_warnings
 
 _REDUCTIONS = ("sum", "mean")
@@ -242,6 +242,7 @@ def _listing(splits: Sequence[_Split], per_size: int = 2) -> str:
 
 def _run_microbatched(p: MicrobatchPass, body: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if studying():                  # a trace that studies what the function computes: the body's result
+        ran_unsplit()
         return body(*args, **kwargs)
     names = argument_names(body, len(args))
     paths, leaves, tree = optree.tree_flatten_with_path((args, kwargs), none_is_leaf=True)

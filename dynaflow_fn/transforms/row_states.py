@@ -37,9 +37,9 @@ class Reduced:
     or a variance over the rows, a square root of a sum), or is None. Only such sums split: the
     micro-batches' sums add up to the batch's, and their means, weighted by rows, average to it.
     `mean` says it divides by the count of rows it reduced (`aten.mean`, a loss's "mean" reduction),
-    so the micro-batches' values must be averaged, not added. `picked` says it is made from rows picked
-    at fixed positions only (`x[0]`): rows appended after the batch, as padding appends them, leave it
-    as it is, while each micro-batch picks a row of its own."""
+    so the micro-batches' values must be averaged, not added. `picked` says it is made from the first
+    row only (`x[0]`): rows appended after the batch, as padding appends them, leave it as it is,
+    while each micro-batch picks a row of its own."""
 
     by: str
     not_a_sum: str | None = None

@@ -149,12 +149,14 @@ def _t(call: RuleCall) -> State:
 
 
 def _select(call: RuleCall) -> State:
-    """`x[i]` along the batch axis picks one row. A non-negative `i` names the same row of a padded
-    batch (the call would have failed were it past the real rows); `x[-1]` picks a padded one."""
+    """`x[i]` along the batch axis picks one row. `x[0]` of an axis that holds the batch once is the
+    first real row of a padded batch too; `x[-1]` is a padded row, and `x[3]` of a batch of three
+    rows, which eager PyTorch refuses, would be one as well."""
     state = call.state("self")
     dim = call.bound["dim"] % call.rank(call.bound["self"])
     if dim == state.axis:
-        return call.result(call.reduced(sum_of_rows=False, picked=call.bound["index"] >= 0))
+        first = call.bound["index"] == 0 and state == Rows(state.axis)
+        return call.result(call.reduced(sum_of_rows=False, picked=first))
     return call.result(moved(state, state.axis - (dim < state.axis)))
 
 

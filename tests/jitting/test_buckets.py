@@ -558,10 +558,10 @@ def test_a_micro_batched_function_whose_rows_interact_still_warns_under_buckets(
         fast(torch.randn(7, 3))
 
 
-@pytest.mark.parametrize("fn, out_axes", [(lambda x: x - x[0], 0), (lambda x: x * x[1].sum(), 0),
+@pytest.mark.parametrize("fn, out_axes", [(lambda x: x - x[0], 0), (lambda x: x * x[0].sum(), 0),
                                           (lambda x: (x * 2, x[0]), (0, None))],
-                         ids=["minus-row-0", "times-row-1-sum", "returns-row-0"])
-def test_a_row_picked_at_a_fixed_position_pads_without_warnings(fn, out_axes):
+                         ids=["minus-row-0", "times-row-0-sum", "returns-row-0"])
+def test_the_first_row_picked_pads_without_warnings(fn, out_axes):
     """Padded rows come after the real ones, so `x[0]` is the real row 0 in the padded batch too."""
     fast = df.jit(fn, buckets=(8,), in_axes=0, out_axes=out_axes)
     with warnings.catch_warnings(record=True) as caught:
@@ -573,11 +573,14 @@ def test_a_row_picked_at_a_fixed_position_pads_without_warnings(fn, out_axes):
     assert [str(w.message) for w in caught] == []
 
 
-def test_the_last_row_picked_warns_under_buckets_and_a_fixed_row_under_micro_batching():
-    """`x[-1]` is a padded row of the padded batch; each micro-batch's `x[0]` is a row of its own."""
+@pytest.mark.parametrize("fn", [lambda x: x - x[-1], lambda x: x - x[3], lambda x: x - torch.cat([x, x])[3]],
+                         ids=["last", "past-the-real-rows", "second-copy"])
+def test_other_rows_picked_warn_under_buckets_and_the_first_under_micro_batching(fn):
+    """`x[-1]` is a padded row of the padded batch; so is `x[3]` of three rows (which eager refuses),
+    and row 3 of `cat([x, x])` (eager's `x[0]`). Each micro-batch's `x[0]` is a row of its own."""
     with pytest.warns(UserWarning, match=r"with buckets: aten\.sub\.Tensor combines a value mixed across the batch "
                                          r"rows \(by aten\.select\.int\)"):
-        got = df.jit(lambda x: x - x[-1], buckets=(8,), in_axes=0)(torch.randn(5, 3))
+        got = df.jit(fn, buckets=(8,), in_axes=0)(torch.randn(5, 3))
     with pytest.warns(UserWarning, match=r"microbatch: aten\.sub\.Tensor combines a value mixed across the batch "
                                          r"rows \(by aten\.select\.int\)"):
         df.jit(T.microbatch(lambda x: x - x[0], num=2))(torch.randn(6, 3))
@@ -606,3 +609,46 @@ def test_rows_placed_by_an_index_into_a_tensor_the_function_makes_warn():
     with pytest.warns(UserWarning, match=r"with buckets: out is reduced over the batch rows \(by aten\.index_put"):
         got = df.jit(placed, buckets=(4,), in_axes=(0, 0))(x, index)
     assert not torch.equal(got, placed(x, index))
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.cumsum(0), lambda x: x - x[0]], ids=["cumsum", "minus-row-0"])
+def test_a_micro_batched_function_whose_rows_read_earlier_rows_warns_under_buckets(fn):
+    """Exact for padding alone, but padding moves where T.microbatch splits: 5 rows split 3 + 2, their
+    bucket of 8 splits 4 + 4."""
+    split = T.microbatch(fn, num=2)
+    x = torch.randn(5, 3)
+    with pytest.warns(UserWarning, match=r"with buckets: .*T\.microbatch splits the padded batch elsewhere"):
+        got = df.jit(split, buckets=(8,), in_axes=0)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not torch.allclose(got, split(x))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, index: torch.zeros_like(x).put(index[:, None] * x.shape[1] + torch.arange(x.shape[1]), x),
+    lambda x, index: x.take(index[:, None] * x.shape[1]),
+], ids=["put", "take"])
+def test_flat_positions_held_by_the_rows_warn(fn):
+    """put and take index the tensor as one flat vector: positions number the elements of all rows."""
+    x, index = torch.randn(6, 4), torch.tensor([2, 1, 0, 2, 1, 0])
+    with pytest.warns(UserWarning, match=r"indexes the tensor as one flat vector"):
+        got = df.jit(T.microbatch(fn, num=2, in_axes=(0, 0)))(x, index)
+    assert not torch.allclose(got, fn(x, index))
+    with pytest.warns(UserWarning, match=r"with buckets: .*indexes the tensor as one flat vector"):
+        df.jit(fn, buckets=(8,), in_axes=(0, 0))(x[:5], index[:5])
+
+
+def test_masked_scatter_warns_where_the_source_order_changes():
+    """The source's elements go to the mask's positions in order across all the rows: each micro-batch
+    starts at the source's first; padding along axis 0 adds positions after the real ones (exact),
+    along axis 1 between them."""
+    fn = lambda x: torch.zeros_like(x).masked_scatter(x > 0, x * 2)   # noqa: E731
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.masked_scatter takes the source's elements"):
+        df.jit(T.microbatch(fn, num=2))(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(df.jit(fn, buckets=(8,), in_axes=0)(x[:5]), fn(x[:5]))
+    assert [str(w.message) for w in caught] == []
+    with pytest.warns(UserWarning, match=r"with buckets: aten\.masked_scatter takes the source's elements"):
+        df.jit(fn, buckets=(8,), in_axes=1, out_axes=1)(x[:, :3])
