@@ -14,7 +14,7 @@ import optree
 import torch
 
 from ..compat import sm_carveout, sm_carveout_supported
-from ..errors import DynaflowError, InternalError, KernelError, KernelIndexError
+from ..errors import InternalError, KernelError, KernelIndexError
 from ..ir.formatting import type_str
 from ..ir.ops import op_info
 from ..ir.tree import picker
@@ -137,12 +137,13 @@ def _release_schedule(plan: Plan) -> tuple[list[list[int]], list[list[int]]]:
 
 def kernel_error(plan: Plan, step: Step, env: Env, error: Exception) -> Exception:
     """What a step's failure raises: a `KernelError` naming the op, its node and its operands, since the
-    kernel's own message names none of them (a `KernelIndexError` for an IndexError); the error itself
-    where it already says what happened (dynaflow_fn's own errors, running out of memory)."""
-    if isinstance(error, (DynaflowError, torch.OutOfMemoryError)):
-        return error
+    kernel's own message names none of them (a `KernelIndexError` for an IndexError). Only torch's plain
+    kernel checks are translated: an error of a class of its own (dynaflow_fn's, running out of memory,
+    a custom op's, NotImplementedError) says what happened and may be caught by its class."""
+    if type(error) not in (RuntimeError, IndexError) or "can't allocate memory" in str(error):
+        return error          # a class of its own (dynaflow_fn's, OutOfMemoryError, a custom op's), the CPU out of memory
     operands = ", ".join(type_str(env[slot]) for slot in step.reads()) or "no tensors"
-    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__).rstrip(".")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         why = ("It ran before the capture and failed only inside the plan's CUDA graph capture: the op cannot be "
                "captured (it waits for the device, or allocates outside the graph's memory). backend=\"eager\" "

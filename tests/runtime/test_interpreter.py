@@ -151,3 +151,29 @@ def test_a_kernel_that_fails_only_inside_a_capture_says_so(monkeypatch):
     error = kernel_error(plan, step, env, RuntimeError("operation not permitted when stream is capturing"))
     assert isinstance(error, df.errors.KernelError)
     assert "failed only inside the plan's CUDA graph capture" in str(error) and "meta" not in str(error)
+
+
+class _OwnError(RuntimeError):
+    pass
+
+
+@torch.library.custom_op("dynaflow_test::refuse_negatives", mutates_args=())
+def _refuse_negatives(x: torch.Tensor) -> torch.Tensor:
+    if (x < 0).any():
+        raise _OwnError("negative input")
+    if (x > 100).any():
+        raise NotImplementedError("large inputs")
+    return x.clone()
+
+
+@_refuse_negatives.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("x, raised", [(-torch.ones(2), _OwnError), (1000 * torch.ones(2), NotImplementedError)])
+def test_an_error_of_a_class_of_its_own_passes_through_a_plan_unchanged(x, raised):
+    """Only torch's plain kernel checks become KernelErrors: a custom op's own error class, or
+    NotImplementedError (a RuntimeError too), is caught by its class as in eager PyTorch."""
+    with pytest.raises(raised):
+        df.jit(lambda x: _refuse_negatives(x) * 2)(x)
