@@ -42,6 +42,7 @@ from ..ir.signature import ClosedOver, InputSpec, OutputSpec, Signature, device_
 from ..ir.tree import TensorSpec
 from .attribute_writes import refusing_attribute_rebinds
 from .closure import closed_over_objects, lift_closed_over
+from .dropped_checks import warn_dropped_checks
 from .escapes import refuse_escaped_tensors
 from .gradients import GradientFlow, gradient_flow, recording_grad_modes
 from .layout_writes import refuse_layout_writes
@@ -142,6 +143,7 @@ def trace_function(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
 
     input_names = [tree.identifier(path_strs[i]) for i in kinds.tensor_positions]
     input_names += [n.name for n in traced.graph.nodes if n.op == "placeholder"][len(input_names):]
+    warn_dropped_checks(traced.graph, name)
     graph_module = _rebuild(traced, input_names, scopes)
     placeholder_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
     tensor_names = dict(zip(kinds.tensor_positions, placeholder_names))
