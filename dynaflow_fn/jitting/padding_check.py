@@ -41,7 +41,7 @@ from ..ir import ops
 from ..ir.program import Program
 from ..transforms.batch_rows import follow_rows
 from ..transforms.batch_size_reads import returned_numbers, same_number, size_reads
-from ..transforms.row_states import Reduced, Rows, describe
+from ..transforms.row_states import Finding, Reduced, Rows, describe
 from .buckets import BatchLayout, OutputAxes
 
 _COPY_ = torch.ops.aten.copy_.default
@@ -71,27 +71,12 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
     if rows < 2:                                   # with one row, any axis of size 1 could hold it
         return []
     flow = follow_rows(program.graph, batch_axes, rows)
-    texts = [f"{finding}. Padded rows join the batch, so the real rows' results would depend on them. Pad only "
-             f"functions whose rows are independent (BatchNorm in eval mode), or call this one at bucket sizes"
-             for finding in flow.findings if not finding.causal]     # padding appends rows after the real ones
-    if microbatched:
-        texts += [f"{finding}, and T.microbatch splits the padded batch elsewhere than the real one, so the real rows' "
-                  f"micro-batches change: pad only functions whose rows are independent, or call this one at "
-                  f"bucket sizes" for finding in flow.findings if finding.causal]
+    texts = _finding_texts(flow.findings, microbatched)
     returned = program.output_node().args[0]
     specs = list(program.outputs)
     axes = out_axes.axes(program.out_tree, optree.tree_unflatten(program.out_tree, specs))
     states = [flow.states.get(returned[spec.tensor_index]) if spec.tensor_index is not None else None for spec in specs]
-    for spec, axis, state in zip(specs, axes, states):
-        if isinstance(state, Reduced) and not state.picked:          # `x[0]`: the real row 0, padded or not
-            texts.append(f"{spec.path} is reduced over the batch rows (by {state.by}), so the padded rows enter it "
-                         f"and cutting the outputs cannot take them out: compute it outside the padded function")
-        elif spec.tensor_index is not None and state is None and axis is not None:
-            texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
-                         f"to the batch size: give it None in out_axes")
-        elif isinstance(state, Rows) and axis is None:
-            texts.append(f"{spec.path} has the batch rows along axis {state.axis}, but out_axes None returns it as "
-                         f"computed on the padded batch, padded rows included: give it out_axes={state.axis}")
+    texts += _output_texts(specs, axes, states)
     again = _traced_again(traced_at, rows)
     if isinstance(again, str):
         texts.append(again)
@@ -113,6 +98,37 @@ def padding_warnings(program: Program, layout: BatchLayout, leaves: Sequence[Any
         texts += [f"{program.name} updates {path} in place from the batch rows, so padded rows write it too, with "
                   f"their pad values (zeros, by default: slot or index 0). Give pad_value= values that make them "
                   f"write where no real row reads (a dummy cache slot, as serving engines do)" for path in written]
+    return texts
+
+
+def _finding_texts(findings: Sequence[Finding], microbatched: bool) -> list[str]:
+    """The row analysis's findings that padding changes: all but the causal ones (padding appends rows
+    after the real ones), and those too where T.microbatch splits the padded batch elsewhere."""
+    texts = [f"{finding}. Padded rows join the batch, so the real rows' results would depend on them. Pad only "
+             f"functions whose rows are independent (BatchNorm in eval mode), or call this one at bucket sizes"
+             for finding in findings if not finding.causal]
+    if microbatched:
+        texts += [f"{finding}, and T.microbatch splits the padded batch elsewhere than the real one, so the real rows' "
+                  f"micro-batches change: pad only functions whose rows are independent, or call this one at "
+                  f"bucket sizes" for finding in findings if finding.causal]
+    return texts
+
+
+def _output_texts(specs: Sequence[Any], axes: Sequence[Any], states: Sequence[Any]) -> list[str]:
+    """Outputs that cutting the padded rows off does not give right: one reduced over the rows (not
+    `x[0]`, the real row 0 padded or not), one that holds no rows but is cut, one that holds rows but
+    is returned whole."""
+    texts = []
+    for spec, axis, state in zip(specs, axes, states):
+        if isinstance(state, Reduced) and not state.picked:
+            texts.append(f"{spec.path} is reduced over the batch rows (by {state.by}), so the padded rows enter it "
+                         f"and cutting the outputs cannot take them out: compute it outside the padded function")
+        elif spec.tensor_index is not None and state is None and axis is not None:
+            texts.append(f"{spec.path} reads no batch row, but out_axes gives it axis {axis}, so it would be cut "
+                         f"to the batch size: give it None in out_axes")
+        elif isinstance(state, Rows) and axis is None:
+            texts.append(f"{spec.path} has the batch rows along axis {state.axis}, but out_axes None returns it as "
+                         f"computed on the padded batch, padded rows included: give it out_axes={state.axis}")
     return texts
 
 
