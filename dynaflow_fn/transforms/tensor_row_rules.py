@@ -167,9 +167,12 @@ def _slice(call: RuleCall) -> State:
     if dim != state.axis or call.shape()[dim] == size:
         return call.result(state)
     start = call.bound.get("start") or 0
-    block = _block(state, call.rows, call.bound.get("step", 1), (start + size if start < 0 else start) % size,
-                   call.shape()[dim])
-    return call.result(block if block is not None else call.reduced(sum_of_rows=False))   # else: some rows picked
+    start = (start + size if start < 0 else start) % size
+    block = _block(state, call.rows, call.bound.get("step", 1), start, call.shape()[dim])
+    if block is not None:
+        return call.result(block)
+    first = start == 0 and call.shape()[dim] == 1 and state == Rows(state.axis)     # `x[:1]`, as `x[0]`
+    return call.result(call.reduced(sum_of_rows=False, picked=first))               # some rows picked
 
 
 def _block(state: Rows, rows: int, step: int, start: int, length: int) -> Rows | None:

@@ -559,8 +559,9 @@ def test_a_micro_batched_function_whose_rows_interact_still_warns_under_buckets(
 
 
 @pytest.mark.parametrize("fn, out_axes", [(lambda x: x - x[0], 0), (lambda x: x * x[0].sum(), 0),
-                                          (lambda x: (x * 2, x[0]), (0, None))],
-                         ids=["minus-row-0", "times-row-0-sum", "returns-row-0"])
+                                          (lambda x: (x * 2, x[0]), (0, None)), (lambda x: x - x[:1], 0),
+                                          (lambda x: x - x.narrow(0, 0, 1), 0)],
+                         ids=["minus-row-0", "times-row-0-sum", "returns-row-0", "minus-slice-to-1", "minus-narrow"])
 def test_the_first_row_picked_pads_without_warnings(fn, out_axes):
     """Padded rows come after the real ones, so `x[0]` is the real row 0 in the padded batch too."""
     fast = df.jit(fn, buckets=(8,), in_axes=0, out_axes=out_axes)
@@ -573,13 +574,15 @@ def test_the_first_row_picked_pads_without_warnings(fn, out_axes):
     assert [str(w.message) for w in caught] == []
 
 
-@pytest.mark.parametrize("fn", [lambda x: x - x[-1], lambda x: x - x[3], lambda x: x - torch.cat([x, x])[3]],
-                         ids=["last", "past-the-real-rows", "second-copy"])
+@pytest.mark.parametrize("fn", [lambda x: x - x[-1], lambda x: x - x[3], lambda x: x - torch.cat([x, x])[3],
+                                lambda x: x - x[:2].sum(0)],
+                         ids=["last", "past-the-real-rows", "second-copy", "first-two"])
 def test_other_rows_picked_warn_under_buckets_and_the_first_under_micro_batching(fn):
     """`x[-1]` is a padded row of the padded batch; so is `x[3]` of three rows (which eager refuses),
-    and row 3 of `cat([x, x])` (eager's `x[0]`). Each micro-batch's `x[0]` is a row of its own."""
+    row 3 of `cat([x, x])` (eager's `x[0]`), and the second of `x[:2]` at one row. Each micro-batch's
+    `x[0]` is a row of its own."""
     with pytest.warns(UserWarning, match=r"with buckets: aten\.sub\.Tensor combines a value mixed across the batch "
-                                         r"rows \(by aten\.select\.int\)"):
+                                         r"rows \(by aten\.(select\.int|slice\.Tensor)\)"):
         got = df.jit(fn, buckets=(8,), in_axes=0)(torch.randn(5, 3))
     with pytest.warns(UserWarning, match=r"microbatch: aten\.sub\.Tensor combines a value mixed across the batch "
                                          r"rows \(by aten\.select\.int\)"):
