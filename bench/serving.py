@@ -348,7 +348,8 @@ def run_sizes(sizes: Sequence[int] = DECODE_SIZES, rounds: int = WALK_ROUNDS) ->
     def one_step(step, rows):
         return step(cache.keys, cache.values, inputs[rows], chunk)[0].clone()   # cudagraph trees overwrite it
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*has been traced for")   # df-exact: a plan per size, as asked
         for rows in sizes:
             calls = {variant: functools.partial(one_step, step, rows) for variant, step in steps.items()}
             for call in calls.values():
