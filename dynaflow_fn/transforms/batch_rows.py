@@ -172,7 +172,7 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
         return record_finding(node, flow, "takes the source's elements in the order of the mask's positions across "
                                           "all the rows, so a part of the batch starts at the source's first",
                               causal=in_order)     # rows along axis 0: a row takes elements after the rows before it
-    rank = max(_rank(bound.get("self", bound.get("input"))), 1)
+    rank = max(_rank(into), 1)
     named = _named_axes(bound, rank)
     if state.axis in named:
         return record_finding(node, flow, f"works along the batch axis ({named[state.axis]}), so rows of the "
