@@ -139,9 +139,10 @@ def kernel_error(plan: Plan, step: Step, env: Env, error: Exception) -> Exceptio
     """What a step's failure raises: a `KernelError` naming the op, its node and its operands, since the
     kernel's own message names none of them (a `KernelIndexError` for an IndexError). Only torch's plain
     kernel checks are translated: an error of a class of its own (dynaflow_fn's, running out of memory,
-    a custom op's, NotImplementedError) says what happened and may be caught by its class."""
+    a custom op's, NotImplementedError), or the CPU allocator's failure, says what happened and may be
+    caught by its class."""
     if type(error) not in (RuntimeError, IndexError) or "can't allocate memory" in str(error):
-        return error          # a class of its own (dynaflow_fn's, OutOfMemoryError, a custom op's), the CPU out of memory
+        return error
     operands = ", ".join(type_str(env[slot]) for slot in step.reads()) or "no tensors"
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__).rstrip(".")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

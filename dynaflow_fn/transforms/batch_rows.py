@@ -33,7 +33,8 @@ from ..compat import OpOverload
 from ..errors import InternalError
 from ..ir import ops
 from .row_rules import fills_like, reads_only_shapes, rule_for
-from .row_states import UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, describe, each_result, record_finding
+from .row_states import (UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, describe, each_result,
+                         places_rows_into_made, record_finding)
 
 
 def follow_rows(graph: fx.Graph, split_axes: dict[str, int], rows: int) -> RowFlow:
@@ -157,7 +158,7 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
     the rows where data says: a value mixed across them (added up with `accumulate`)."""
     into = bound.get("self", bound.get("input"))
     state = flow.states.get(into) if isinstance(into, fx.Node) else None
-    if state is None and into in flow.made and _indexed_by_rows(bound, flow):
+    if places_rows_into_made(bound, flow):
         by = describe(node)                          # `out = zeros(b, d); out[index] = x`: data places the rows
         return each_result(node, Reduced(by, None if bound.get("accumulate") else by))
     if not isinstance(state, Rows):
@@ -182,13 +183,6 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
 
 _FLAT_POSITIONS = frozenset({"aten.put", "aten.take"})
 """Ops that index their input as one flat vector: an index names positions across all its rows."""
-
-
-def _indexed_by_rows(bound: dict[str, Any], flow: RowFlow) -> bool:
-    """Whether an index argument (`index`, or a tensor of `indices`) holds the batch rows' data."""
-    indices = bound.get("indices")
-    candidates = [bound.get("index"), *(indices if isinstance(indices, (list, tuple)) else ())]
-    return any(isinstance(flow.states.get(index), Rows) for index in candidates if isinstance(index, fx.Node))
 
 
 def _named_axes(bound: dict[str, Any], rank: int) -> dict[int, str]:

@@ -124,12 +124,24 @@ class RuleCall:
 
     def reduced(self, sum_of_rows: bool, mean: bool = False, picked: bool = False) -> Reduced:
         """The state of a value this node makes by mixing rows of the batch: a sum or mean of one
-        term per row (`sum_of_rows`; a mean if `mean`), or not; `picked`: one row at a fixed position."""
+        term per row (`sum_of_rows`; a mean if `mean`), or not; `picked`: the first row alone (`x[0]`)."""
         by = describe(self.node)
         return Reduced(by, None if sum_of_rows else by, mean and sum_of_rows, picked)
 
     def report(self, reason: str, causal: bool = False) -> State:
         return record_finding(self.node, self.flow, reason, causal)
+
+
+def places_rows_into_made(bound: dict[str, Any], flow: RowFlow) -> bool:
+    """Whether an op writes into a tensor the function makes (`RowFlow.made`) at positions that an
+    index argument (`index`, or a tensor of `indices`) takes from the rows' data: `out = zeros(b, d);
+    out[index] = x`, where data places the rows."""
+    into = bound.get("self", bound.get("input"))
+    if not isinstance(into, fx.Node) or into not in flow.made:
+        return False
+    indices = bound.get("indices")
+    candidates = [bound.get("index"), *(indices if isinstance(indices, (list, tuple)) else ())]
+    return any(isinstance(flow.states.get(index), Rows) for index in candidates if isinstance(index, fx.Node))
 
 
 def record_finding(node: fx.Node, flow: RowFlow, reason: str, causal: bool = False) -> State:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 from torch import fx
 
 from ..ir.ops import op_info
-from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State
+from .row_states import UNKNOWN, Reduced, Rows, RuleCall, State, places_rows_into_made
 
 
 def same_rows(states: Sequence[State]) -> State:
@@ -282,7 +282,7 @@ def _scatter(call: RuleCall) -> State:
         return call.result(call.reduced(sum_of_rows=added))
     if dim == state.axis and isinstance(call.state("self"), Rows):
         return _written_at_chosen_rows(call)
-    if call.state("self") is None and call.bound["self"] in call.flow.made and isinstance(call.state("index"), Rows):
+    if places_rows_into_made(call.bound, call.flow):
         return call.result(call.reduced(sum_of_rows=False))      # `zeros(b, d).scatter(0, index, x)`
     return call.result(UNKNOWN)
 
