@@ -151,6 +151,25 @@ def tiny_causal_lm(name: str, layers: int = 2):
     return builders[name]().eval()
 
 
+def tiny_moe(name: str):
+    """A tiny random transformers mixture-of-experts LM ("mixtral", "qwen3_moe" or "deepseek_v3"), in eval mode."""
+    import transformers as hf
+
+    configs = {
+        "mixtral": (hf.MixtralConfig, hf.MixtralForCausalLM, dict(
+            intermediate_size=64, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": (hf.Qwen3MoeConfig, hf.Qwen3MoeForCausalLM, dict(
+            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, head_dim=8)),
+        "deepseek_v3": (hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM, dict(
+            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)),
+    }
+    config, model, extra = configs[name]
+    return model(config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **extra)).eval()
+
+
 def causal_lm_inputs(name: str, batch: int, length: int = 10, generator=None):
     """Token ids and an attention mask for `tiny_causal_lm(name)`; left-padded rows for that family."""
     import torch

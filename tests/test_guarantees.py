@@ -15,6 +15,7 @@ from torch import nn
 import dynaflow_fn as df
 from dynaflow_fn import transforms as T
 from dynaflow_fn.errors import GradientError
+from models import tiny_moe
 from dynaflow_fn.ir.program import info
 from fixtures import run_together
 from models import DropoutNet
@@ -681,28 +682,9 @@ def test_nested_inputs_are_refused_by_name(layout):
 # --- fake kernels stricter than real ones ------------------------------------------------------------------
 
 
-def _tiny_moe(name):
-    transformers = pytest.importorskip("transformers")
-    configs = {
-        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-            intermediate_size=64, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=2, num_experts=4,
-            num_experts_per_tok=2, head_dim=8)),
-        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=4,
-            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)),
-    }
-    config_name, model_name, extra = configs[name]
-    config = getattr(transformers, config_name)(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                                num_attention_heads=4, **extra)
-    return getattr(transformers, model_name)(config).eval()
-
-
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_moe_models_with_float32_experts_trace_and_match_eager(name):
-    model = _tiny_moe(name)
+    model = tiny_moe(name)
     fn, params = df.pure(model)
     fast = df.jit(lambda p, ids: fn(p, ids, use_cache=False).logits)
     for _ in range(2):

@@ -33,8 +33,9 @@ from ..compat import OpOverload
 from ..errors import InternalError
 from ..ir import ops
 from .row_rules import fills_like, reads_only_shapes, rule_for
-from .row_states import (UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, describe, each_result,
+from .row_states import (UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, arange_bounds, describe, each_result,
                          places_rows_into_made, record_finding)
+from .sorted_rows import follow_sorted, is_sorted_state, unresolved_output
 
 
 def follow_rows(graph: fx.Graph, split_axes: dict[str, int], rows: int) -> RowFlow:
@@ -54,7 +55,16 @@ def follow_rows(graph: fx.Graph, split_axes: dict[str, int], rows: int) -> RowFl
             flow.states[node] = _transfer(node, flow, rows)
             if flow.states[node] is None and _made_here(node, flow):
                 flow.made.add(node)
+        elif node.op == "output":
+            _settle_sorted_outputs(node, flow)
     return flow
+
+
+def _settle_sorted_outputs(output: fx.Node, flow: RowFlow) -> None:
+    """An output still in a sort's order holds other rows at each position once the batch is split."""
+    for node in output.all_input_nodes:
+        if is_sorted_state(flow.states.get(node)):
+            flow.states[node] = unresolved_output(node, flow)
 
 
 def _made_here(node: fx.Node, flow: RowFlow) -> bool:
@@ -86,7 +96,10 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
         return each_result(node, UNKNOWN)
     if fills_like(target) and isinstance(flow.states[node.args[0]], Rows):
         return flow.states[node.args[0]]           # a filled copy of the rows' layout (CFG's zeros_like(cond))
-    inputs = [flow.states[n] for n in reads_values(node)]
+    read = reads_values(node)
+    inputs = [flow.states[n] for n in read]
+    if any(is_sorted_state(state) for state in inputs):      # a mixture of experts' token dispatch
+        return follow_sorted(node, read, flow, rule_for(target))
     if any(_has(state, UNKNOWN) for state in inputs):
         return each_result(node, UNKNOWN)
     carrying = [state for state in inputs if isinstance(state, Rows)]
@@ -213,15 +226,12 @@ def _counts_rows_in_order(index: Any, source: Any, axis: int) -> bool:
     without moving rows. Anything else (another order, a subset, a repeat) is not recognized."""
     while isinstance(index, fx.Node) and index.target is _UNSQUEEZE and index.args[1] not in (0, -index.args[0].meta["val"].dim() - 1):
         index = index.args[0]
-    if not isinstance(index, fx.Node) or index.target not in _ARANGES or not isinstance(source, fx.Node):
+    if not isinstance(source, fx.Node):
         return False
-    start, end, step = (0, *index.args[:1], 1) if index.target is _ARANGE else (*index.args[:2], *(index.args[2:] or (1,)))
-    return (start, step) == (0, 1) and end == source.meta["val"].shape[axis]
+    return arange_bounds(index) == (0, source.meta["val"].shape[axis], 1)
 
 
 _UNSQUEEZE = torch.ops.aten.unsqueeze.default
-_ARANGE = torch.ops.aten.arange.default
-_ARANGES = (_ARANGE, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
 def _rank(node: Any) -> int:

@@ -102,18 +102,38 @@ def _attention(call: RuleCall) -> State:
     """Scaled dot-product attention over [batch, heads, sequence, dim]: the batch and head dimensions
     are independent, so rows on dimension 0 or 1 of every operand stay rows of the result. Rows on the
     sequence dimension (nn.MultiheadAttention given the batch as its sequence) attend to each other."""
-    states = [call.flow.states[n] for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
-    state = same_rows(states)
-    ranks = {call.rank(n) for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)}
-    if state is not UNKNOWN and state.axis == 2 and ranks == {4}:
-        return call.report("attends across the batch rows (they lie along its sequence axis), so every row reads "
-                           "the other rows")
-    if state is UNKNOWN or state.axis not in (0, 1) or ranks != {4}:
+    state = _attention_rows(call)
+    if state is None:
         return call.result(UNKNOWN)
     value = call.node.meta["val"]
     results = value if isinstance(value, (tuple, list)) else (value,)
     per_result = tuple(state if isinstance(v, torch.Tensor) and v.dim() >= 2 else None for v in results)
     return per_result if isinstance(value, (tuple, list)) else per_result[0]
+
+
+def _attention_backward(call: RuleCall) -> State:
+    """The gradients of query, key and value (its first three results), from the forward's operands,
+    output, log-sum-exp and the output's gradient: per batch and head as the forward. A further
+    result (an attention bias's gradient) sums over whatever the bias was broadcast along: not followed."""
+    state = _attention_rows(call)
+    if state is None:
+        return call.result(UNKNOWN)
+    return tuple(state if i < 3 else UNKNOWN for i in range(len(call.node.meta["val"])))
+
+
+def _attention_rows(call: RuleCall) -> Rows | None:
+    """The rows of attention's operands ([batch, heads, sequence, dim], a log-sum-exp [batch, heads,
+    sequence]) when they lie on the batch or head dimension; a finding when on the sequence one."""
+    carrying = [n for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
+    state = same_rows([call.flow.states[n] for n in carrying])
+    ranks = {call.rank(n) for n in carrying}
+    if state is not UNKNOWN and state.axis == 2 and ranks <= {3, 4}:
+        call.report("attends across the batch rows (they lie along its sequence axis), so every row reads the "
+                    "other rows")
+        return None
+    if state is UNKNOWN or state.axis not in (0, 1) or 4 not in ranks or not ranks <= {3, 4}:
+        return None
+    return state
 
 
 def _loss(call: RuleCall) -> State:
@@ -162,5 +182,9 @@ LAYER_RULES: dict[str, Callable[[RuleCall], State]] = {
     "aten._scaled_dot_product_flash_attention": _attention,
     "aten._scaled_dot_product_efficient_attention": _attention,
     "aten._scaled_dot_product_cudnn_attention": _attention, "aten._scaled_dot_product_attention_math": _attention,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": _attention_backward,
+    "aten._scaled_dot_product_flash_attention_backward": _attention_backward,
+    "aten._scaled_dot_product_efficient_attention_backward": _attention_backward,
+    "aten._scaled_dot_product_cudnn_attention_backward": _attention_backward,
 }
 """The layer rules, by the op's packet."""

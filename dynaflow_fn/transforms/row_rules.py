@@ -16,6 +16,7 @@ from ..compat import OpOverload
 from ..ir.ops import op_info
 from .layer_row_rules import LAYER_RULES
 from .row_states import RuleCall, State
+from .sorted_rows import SORTED_RULES
 from .tensor_row_rules import TENSOR_RULES, pointwise, reduction
 
 
@@ -55,5 +56,5 @@ _SHAPE_ONLY = frozenset({
 
 _FILLED_LIKE = frozenset({"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like"})
 
-_RULES: dict[str, Callable[[RuleCall], State]] = {**TENSOR_RULES, **LAYER_RULES}
+_RULES: dict[str, Callable[[RuleCall], State]] = {**TENSOR_RULES, **LAYER_RULES, **SORTED_RULES}
 """Every op the analysis models, by its packet."""

@@ -144,6 +144,19 @@ def places_rows_into_made(bound: dict[str, Any], flow: RowFlow) -> bool:
     return any(isinstance(flow.states.get(index), Rows) for index in candidates if isinstance(index, fx.Node))
 
 
+def arange_bounds(value: Any) -> tuple[Any, Any, Any] | None:
+    """(start, end, step) of a node that is `torch.arange`, else None."""
+    if not isinstance(value, fx.Node) or value.target not in _ARANGES:
+        return None
+    if value.target is _ARANGE:
+        return 0, value.args[0], 1
+    return (*value.args[:2], *(value.args[2:] or (1,)))
+
+
+_ARANGE = torch.ops.aten.arange.default
+_ARANGES = (_ARANGE, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
+
+
 def record_finding(node: fx.Node, flow: RowFlow, reason: str, causal: bool = False) -> State:
     """Record a finding; what follows from the node is not judged again (one finding per cause)."""
     flow.findings.append(Finding(node, reason, causal))

@@ -175,6 +175,12 @@ def _slice(call: RuleCall) -> State:
     return call.result(call.reduced(sum_of_rows=False, picked=first))               # some rows picked
 
 
+def _slice_backward(call: RuleCall) -> State:
+    """A slice's gradient, placed into zeros of the input's shape: rows stay (sliced along the rows: not followed)."""
+    state = call.state("grad_output")
+    return call.result(UNKNOWN if call.bound["dim"] % call.rank() == state.axis else state)
+
+
 def _block(state: Rows, rows: int, step: int, start: int, length: int) -> Rows | None:
     """The rows of elements `start:start + length` along the axis of `state`, when they are whole
     copies of the batch's rows (`cat([u, c])[b:]`, a `chunk` of it): the axis holds `state.outer`
@@ -371,7 +377,7 @@ TENSOR_RULES: dict[str, Callable[[RuleCall], State]] = {
     "aten.view": _view, "aten._unsafe_view": _view, "aten.reshape": _view, "aten.squeeze": _view,
     "aten.unsqueeze": _view, "aten.flatten": _view, "aten.unflatten": _view, "aten.expand": _expand,
     "aten.permute": _permute, "aten.transpose": _transpose, "aten.t": _t, "aten.select": _select,
-    "aten.slice": _slice, "aten.cat": _cat, "aten.stack": _stack, "aten.split": _split,
+    "aten.slice": _slice, "aten.slice_backward": _slice_backward, "aten.cat": _cat, "aten.stack": _stack, "aten.split": _split,
     "aten.split_with_sizes": _split, "aten.unsafe_split": _split, "aten.unsafe_split_with_sizes": _split,
     "aten.chunk": _split, "aten.unbind": _unbind, "aten._softmax": _along_dim, "aten._log_softmax": _along_dim,
     "aten._softmax_backward_data": _along_dim, "aten._log_softmax_backward_data": _along_dim,
