@@ -19,6 +19,7 @@ number. Two traces at different sizes show them, op by op:
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -135,8 +136,17 @@ def _row_numbers(nodes: list[fx.Node], batch_axes: Callable[[fx.Node], list[list
 def _differ(node: fx.Node, other: fx.Node) -> bool:
     if (node.op, node.target) != (other.op, other.target):
         return True
-    ranks = [tensor.dim() for tensor in tensors_in(node.meta.get("val"))]
-    return ranks != [tensor.dim() for tensor in tensors_in(other.meta.get("val"))]
+    return _used_ranks(node) != _used_ranks(other)
+
+
+def _used_ranks(node: fx.Node) -> list[tuple[int, int]]:
+    """The ranks of the tensors a node gives that are read: of the results its users pick, for an op
+    that gives several (`x.unbind(0)[0]`, where how many it gives follows the batch size), else all."""
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)) and node.users and all(user.target is operator.getitem for user in node.users):
+        return sorted((index, value[index].dim()) for index in {user.args[1] for user in node.users}
+                      if isinstance(value[index], torch.Tensor))
+    return list(enumerate(tensor.dim() for tensor in tensors_in(value)))
 
 
 def _value_reads(node: fx.Node, other: fx.Node, rows: int, again_rows: int) -> Iterator[tuple[Any, Any]]:

@@ -8,6 +8,7 @@ rules `pointwise` and `reduction` are shared with `layer_row_rules`.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Sequence
 
 from torch import fx
@@ -241,18 +242,25 @@ def _split(call: RuleCall) -> State:
         start += piece.shape[dim]
     if None not in pieces:
         return tuple(pieces)                         # whole copies of the batch, taken apart
-    return _cut_into_pieces(call) if len(pieces) > 1 else call.result(UNKNOWN)
+    return _cut_into_pieces(call, state, dim) if len(pieces) > 1 else call.result(UNKNOWN)
 
 
 def _unbind(call: RuleCall) -> State:
     state = call.state("self")
     dim = call.bound.get("dim", 0) % call.rank(call.bound["self"])
     if dim == state.axis:
-        return _cut_into_pieces(call)
+        return _cut_into_pieces(call, state, dim)
     return call.result(moved(state, state.axis - (dim < state.axis)))
 
 
-def _cut_into_pieces(call: RuleCall) -> State:
+def _cut_into_pieces(call: RuleCall, state: Rows, dim: int) -> State:
+    """Pieces of the batch axis hold other rows for a part of the batch than for the whole, but where
+    only the first is used and it is the first row (`x.unbind(0)[0]`, `x.split(1)[0]`), it is `x[0]`."""
+    pieces = call.node.meta["val"]
+    first_row = state == Rows(state.axis) and (len(pieces[0].shape) < call.rank(call.bound["self"])
+                                               or pieces[0].shape[dim] == 1)
+    if first_row and all(user.target is operator.getitem and user.args[1] == 0 for user in call.node.users):
+        return (call.reduced(sum_of_rows=False, picked=True), *[UNKNOWN] * (len(pieces) - 1))
     return call.report("cuts the batch axis into pieces, so a piece holds other rows of a part of the batch than "
                        "of the whole")
 

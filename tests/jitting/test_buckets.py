@@ -560,8 +560,10 @@ def test_a_micro_batched_function_whose_rows_interact_still_warns_under_buckets(
 
 @pytest.mark.parametrize("fn, out_axes", [(lambda x: x - x[0], 0), (lambda x: x * x[0].sum(), 0),
                                           (lambda x: (x * 2, x[0]), (0, None)), (lambda x: x - x[:1], 0),
-                                          (lambda x: x - x.narrow(0, 0, 1), 0)],
-                         ids=["minus-row-0", "times-row-0-sum", "returns-row-0", "minus-slice-to-1", "minus-narrow"])
+                                          (lambda x: x - x.narrow(0, 0, 1), 0), (lambda x: x - x.unbind(0)[0], 0),
+                                          (lambda x: (x * 2, x.split(1)[0]), (0, None))],
+                         ids=["minus-row-0", "times-row-0-sum", "returns-row-0", "minus-slice-to-1", "minus-narrow",
+                              "minus-unbound-0", "returns-split-0"])
 def test_the_first_row_picked_pads_without_warnings(fn, out_axes):
     """Padded rows come after the real ones, so `x[0]` is the real row 0 in the padded batch too."""
     fast = df.jit(fn, buckets=(8,), in_axes=0, out_axes=out_axes)
@@ -588,6 +590,15 @@ def test_other_rows_picked_warn_under_buckets_and_the_first_under_micro_batching
                                          r"rows \(by aten\.select\.int\)"):
         df.jit(T.microbatch(lambda x: x - x[0], num=2))(torch.randn(6, 3))
     assert got.shape == (5, 3)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x - x.unbind(0)[1], lambda x: x - x.split(1)[-1],
+                                lambda x: x - x.split(2)[0].sum(0), lambda x: x - x.unbind(0)[0] - x.unbind(0)[1]],
+                         ids=["second", "last", "first-two", "first-and-second"])
+def test_pieces_of_the_batch_other_than_its_first_row_warn_under_buckets(fn):
+    with pytest.warns(UserWarning, match=r"with buckets: aten\.(unbind\.int|split\.Tensor) cuts the batch axis into "
+                                         r"pieces"):
+        df.jit(fn, buckets=(8,), in_axes=0)(torch.randn(5, 3))
 
 
 def test_a_returned_nan_is_the_same_number_at_every_batch_size():

@@ -216,11 +216,13 @@ _MOVING_ROWS = [
     (lambda x: nn.functional.pad(x, (0, 0, 1, 0))[:-1] + x, r"aten\.constant_pad_nd pads the batch axis"),
     (lambda x: torch.cat([torch.zeros(1, 3), x])[:-1] + x, r"aten\.cat concatenates along the batch axis"),
     (lambda x: x.chunk(2, 0)[0].sum(0) + x, r"aten\.split\.Tensor cuts the batch axis into pieces"),
-    (lambda x: x.unbind(0)[0] + x, r"aten\.unbind\.int cuts the batch axis into pieces"),
+    (lambda x: x.unbind(0)[0] + x, r"aten\.add\.Tensor combines a value mixed across the batch rows \(by "
+                                   r"aten\.unbind\.int\)"),
+    (lambda x: x.unbind(0)[1] + x, r"aten\.unbind\.int cuts the batch axis into pieces"),
 ]
 """Ops that pair, pool, shift or cut the rows: each returned other values than the unsplit function silently."""
 _MOVING_ROWS_IDS = ["pairs-by-broadcasting", "max-pool-over-the-batch", "padded-batch-axis", "concatenated-on-the-batch",
-                    "chunked-batch", "unbound-batch"]
+                    "chunked-batch", "first-row-unbound", "unbound-batch"]
 
 
 @pytest.mark.parametrize("fn, match", _MOVING_ROWS, ids=_MOVING_ROWS_IDS)
