@@ -162,13 +162,20 @@ def _element_by_element(node: fx.Node, bound: dict[str, Any], inputs: list[fx.No
     results = result if isinstance(result, tuple) else (result,)
     if shadow.findings or any(r is not None and not (isinstance(r, Rows) and r == Rows(r.axis)) for r in results):
         return None
-    keys = ops.op_info(node.target).packet in _KEEPS_KEYS and any(flow.states[n].keys for n in stand_ins)
+    keys = _keeps_order(node) and any(flow.states[n].keys for n in stand_ins)
     back = tuple(None if r is None else Sorted(sorting, r.axis, keys) for r in results)
     return back if isinstance(result, tuple) else back[0]
 
 
-_KEEPS_KEYS = frozenset({"aten._to_copy", "aten.clone", "aten.alias", "aten.detach"})
-"""Ops that keep the sorted values in ascending order (the same values, or a cast of them)."""
+def _keeps_order(node: fx.Node) -> bool:
+    """Whether `node` keeps the sorted values in ascending order: the same values, or a cast of them to
+    a floating type or a wide integer (not one that wraps them around, as uint8 would)."""
+    dtype = node.kwargs.get("dtype")
+    return _packet(node) in _SAME_VALUES and (dtype is None or dtype.is_floating_point or dtype in _WIDE)
+
+
+_SAME_VALUES = frozenset({"aten._to_copy", "aten.clone", "aten.alias", "aten.detach"})
+_WIDE = (torch.int32, torch.int64)
 
 
 def _constant_along(value: fx.Node, stand_ins: dict[fx.Node, Rows]) -> bool:
@@ -259,7 +266,7 @@ def _put_back(node: fx.Node, bound: dict[str, Any], flow: RowFlow, sorting: Sort
     order; sorted values land back at their rows (added up where `order // k` names a row k times).
     `into[inverse] = rows` places rows at their sorted positions."""
     into, indices, values = bound["self"], bound["indices"], bound["values"]
-    if into not in flow.made or len(indices) != 1 or not isinstance(indices[0], fx.Node):
+    if not _filled(into, flow) or len(indices) != 1 or not isinstance(indices[0], fx.Node):
         return None
     index, length = flow.states[indices[0]], _shape(sorting.node.args[0])[0]
     if _shape(indices[0]) != (length,):
@@ -277,7 +284,7 @@ def _put_back(node: fx.Node, bound: dict[str, Any], flow: RowFlow, sorting: Sort
 def _add_back(node: fx.Node, bound: dict[str, Any], flow: RowFlow, sorting: Sorting) -> State | None:
     """`into.index_add(0, order // k, values)`, index_copy: sorted values added (copied) back to their rows."""
     into, index = bound["self"], flow.states[bound["index"]]
-    if into not in flow.made or bound["dim"] != 0 or not isinstance(index, SortOrder):
+    if not _filled(into, flow) or bound["dim"] != 0 or not isinstance(index, SortOrder):
         return None
     return _placed_rows(into, index, flow.states[bound["source"]], sorting)
 
@@ -294,9 +301,24 @@ def _placed_rows(into: fx.Node, index: SortOrder, values: State, sorting: Sortin
 def _invert(node: fx.Node, bound: dict[str, Any], flow: RowFlow, sorting: Sorting) -> State | None:
     """argsort of the order (sort's indices of it): the inverse order."""
     order = flow.states[bound["self"]]
-    if order != SortOrder(sorting, sorting.inner) or bound.get("dim", -1) not in (0, -1):
+    if order != SortOrder(sorting, sorting.inner) or bound.get("dim", -1) not in (0, -1) or bound.get("descending"):
         return None
     return (None, Unsorting(sorting)) if isinstance(node.meta["val"], (tuple, list)) else Unsorting(sorting)
+
+
+def _filled(into: Any, flow: RowFlow) -> bool:
+    """Whether `into` is a tensor the function makes filled with one value (`zeros`, `empty_like`), or a
+    view of one: written at the rows' places, it adds nothing that differs from row to row (as
+    `arange(n)` would, numbered from 0 by every part of the batch)."""
+    while isinstance(into, fx.Node) and into in flow.made and ops.is_view(into.target):
+        into = into.args[0]
+    return isinstance(into, fx.Node) and into in flow.made and _packet(into) in _FILLS
+
+
+_FILLS = frozenset(f"aten.{name}" for name in (
+    "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "empty_strided", "full", "full_like",
+    "new_zeros", "new_ones", "new_empty", "new_empty_strided", "new_full", "scalar_tensor"))
+"""Ops that make a tensor filled with one value (or left unwritten)."""
 
 
 def _sorted_along_0(state: State) -> bool:

@@ -186,3 +186,49 @@ def test_transformers_moe_models_train_microbatched_without_a_warning(name):
         got = step(params, ids)
     torch.testing.assert_close(got, df.value_and_grad(loss)(params, ids))
     assert [str(w.message) for w in record if str(w.message).startswith("microbatch")] == []
+
+
+def _put_back_by(inverse_of, into_of):
+    def fn(x, router, experts):
+        out, order = _grouped(x, router, experts)
+        return into_of(x).index_add(0, inverse_of(order), out)
+    return fn
+
+
+@pytest.mark.parametrize("fn", [
+    _put_back_by(lambda order: order // TOP, lambda x: torch.arange(x.shape[0] * OUT, dtype=x.dtype).view(-1, OUT)),
+], ids=["into-numbered-rows"])
+def test_sorted_rows_added_into_a_tensor_that_numbers_the_rows_warn(fn):
+    """Each part of the batch numbers its rows from 0: what the rows are added to differs."""
+    args = _inputs(8)
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.sort works along the batch axis"):
+        got = df.jit(T.microbatch(fn, num=2, in_axes=(0, None, None)), progress=False)(*args)
+    assert not torch.allclose(got, fn(*args))
+
+
+def test_an_order_sorted_descending_is_no_inverse_and_warns():
+    def fn(x, router, experts):
+        out, order = _grouped(x, router, experts)
+        return out[order.argsort(descending=True)].view(-1, TOP, OUT).sum(1)
+
+    args = _inputs(8)
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.sort works along the batch axis"):
+        got = df.jit(T.microbatch(fn, num=2, in_axes=(0, None, None)), progress=False)(*args)
+    assert not torch.allclose(got, fn(*args))
+
+
+def test_expert_ids_cast_to_a_type_that_wraps_them_count_other_groups_and_warn():
+    many = 260                                                          # ids 256..259 wrap to 0..3 in uint8
+
+    def fn(x, router, experts, bias):
+        weights, ids = (x @ router + bias).softmax(-1).topk(TOP, dim=-1)
+        sorted_ids, order = torch.sort(ids.reshape(-1))
+        counts = torch.histc(sorted_ids.to(torch.uint8).float(), bins=many, min=0, max=many - 1)
+        out = F.grouped_mm(x[order // TOP], experts, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        return (out * weights.reshape(-1)[order][:, None])[order.argsort()].view(-1, TOP, OUT).sum(1)
+
+    bias = torch.zeros(many)
+    bias[-4:] = 100.0                                                   # every token picks among the last four
+    args = torch.randn(8, WIDTH), torch.randn(WIDTH, many), torch.randn(many, WIDTH, OUT), bias
+    with pytest.warns(UserWarning, match=r"microbatch: aten\.sort works along the batch axis"):
+        df.jit(T.microbatch(fn, num=2, in_axes=(0, None, None, None)), progress=False)(*args)
