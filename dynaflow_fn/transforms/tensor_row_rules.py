@@ -195,8 +195,9 @@ def _block(state: Rows, rows: int, step: int, start: int, length: int) -> Rows |
 def _cat(call: RuleCall) -> State:
     """Along another axis than the rows', each row joins its own row. Along the rows' axis, tensors
     with the same rows make an axis holding several copies of the batch (`cat([x, x])` or
-    `cat([zeros_like(c), c])`, classifier-free guidance), which `chunk` and slices take apart again."""
-    tensors = call.bound["tensors"]
+    `cat([zeros_like(c), c])`, classifier-free guidance), which `chunk` and slices take apart again.
+    cat skips 1-D empty tensors (a cache's first `torch.tensor([])`), whatever the others' rank."""
+    tensors = [t for t in call.bound["tensors"] if call.shape(t) != (0,)]
     dim = call.bound.get("dim", 0) % call.rank()
     states = [call.flow.states[t] for t in tensors if isinstance(call.flow.states[t], Rows)]
     state = same_rows(states)

@@ -9,7 +9,7 @@ from torch import nn
 
 import dynaflow_fn as df
 from dynaflow_fn.errors import InputError
-from models import CAUSAL_LMS, Block, causal_lm_inputs, tiny_causal_lm
+from models import CAUSAL_LMS, Block, causal_lm_inputs, tiny_causal_lm, tiny_moe
 
 
 @pytest.fixture(autouse=True)
@@ -213,6 +213,21 @@ def test_a_transformers_forward_with_an_attention_mask_is_padded_to_the_buckets(
     (padded,) = _padded_graphs(backend)
     assert sum(axis == 0 for axis in padded.options.in_axes) == 2   # the ids and the mask
     assert padded.cache_info().entries == 2
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_with_a_growing_cache_is_padded_to_the_buckets(name):
+    """Without a mask, transformers grows each layer's cache from `torch.tensor([])`, which `cat` skips;
+    the analysis follows the rows past it, into the experts' dispatch (a sort by expert and back)."""
+    model = tiny_moe(name)
+    backend = df.compile_backend(buckets=(4, 8), progress=False)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for rows in (2, 3, 5, 7):
+            ids = torch.randint(0, 128, (rows, 6))
+            torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert len(_padded_graphs(backend)) == 1
 
 
 def test_df_jit_pads_what_in_axes_names_where_the_backend_cannot_tell():

@@ -601,6 +601,19 @@ def test_pieces_of_the_batch_other_than_its_first_row_warn_under_buckets(fn):
         df.jit(fn, buckets=(8,), in_axes=0)(torch.randn(5, 3))
 
 
+def test_rows_joined_to_an_empty_cache_are_followed_and_a_mix_after_it_warns():
+    """cat skips a 1-D empty tensor (the first `torch.tensor([])` of a growing cache) beside tensors of
+    any rank: the rows go on, and a softmax over them after it warns, micro-batched or padded."""
+    def fn(x):
+        return torch.cat([torch.tensor([]), x], dim=-1).softmax(0)
+
+    with pytest.warns(UserWarning, match=r"with buckets: aten\._softmax works along the batch axis"):
+        got = df.jit(fn, buckets=(8,), in_axes=0)(x := torch.randn(5, 3))
+    assert not torch.allclose(got, fn(x))
+    with pytest.warns(UserWarning, match=r"microbatch: aten\._softmax works along the batch axis"):
+        df.jit(T.microbatch(fn, num=2))(torch.randn(6, 3))
+
+
 def test_a_returned_nan_is_the_same_number_at_every_batch_size():
     """NaN differs from itself; returned by both traces it is no number computed from the batch size."""
     fn = lambda x: (x * 2, float("nan"))   # noqa: E731
