@@ -152,7 +152,8 @@ def tiny_causal_lm(name: str, layers: int = 2):
 
 
 def tiny_moe(name: str):
-    """A tiny random transformers mixture-of-experts LM ("mixtral", "qwen3_moe" or "deepseek_v3"), in eval mode."""
+    """A tiny random transformers mixture-of-experts LM ("mixtral", "qwen3_moe", "deepseek_v3" or "gpt_oss", whose
+    experts have biases), in eval mode."""
     import transformers as hf
 
     configs = {
@@ -165,6 +166,9 @@ def tiny_moe(name: str):
             intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=4,
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)),
+        "gpt_oss": (hf.GptOssConfig, hf.GptOssForCausalLM, dict(
+            intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+            layer_types=["full_attention", "sliding_attention"])),
     }
     config, model, extra = configs[name]
     return model(config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **extra)).eval()

@@ -369,9 +369,8 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 _DISPATCH_STEPS: dict[str, Callable[..., State | None]] = {
     "aten.floor_divide": _divide, "aten.div": _divide, "aten.index": _gather, "aten.index_select": _gather,
-    "aten.histc": _count,
-    "aten.bincount": _count, "aten.cumsum": _accumulate, "aten._grouped_mm": _grouped_product,
-    "transformers.grouped_mm_fallback": _grouped_product, "aten.index_put": _put_back, "aten.index_put_": _put_back,
+    "aten.histc": _count, "aten.cumsum": _accumulate, "aten._grouped_mm": _grouped_product,
+    "transformers.grouped_mm_fallback": _grouped_product, "aten.index_put": _put_back,
     "aten.index_add": _add_back, "aten.index_copy": _add_back, "aten.sort": _invert, "aten.argsort": _invert,
 }
 """The steps of a sorted dispatch, by the op's packet; each gives None where its arguments are not

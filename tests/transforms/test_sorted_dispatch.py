@@ -54,6 +54,13 @@ def _written_back(x, router, experts):
     return back.view(-1, TOP, OUT).sum(1)
 
 
+def _copied_back_by_a_floor_division(x, router, experts):
+    out, order = _grouped(x, router, experts)
+    back = torch.zeros_like(out).index_copy(0, order, out)
+    return back.view(-1, TOP, OUT).sum(1) + torch.zeros(x.shape[0], OUT).index_add(
+        0, torch.div(order, TOP, rounding_mode="floor"), out)
+
+
 def _inputs(rows):
     return torch.randn(rows, WIDTH), torch.randn(WIDTH, EXPERTS), torch.randn(EXPERTS, WIDTH, OUT)
 
@@ -62,7 +69,8 @@ def _sort_warnings(record):
     return [str(w.message) for w in record if "aten.sort" in str(w.message)]
 
 
-@pytest.mark.parametrize("fn", [_inverse_by_numbers, _inverse_by_argsort, _added_back_per_token, _written_back])
+@pytest.mark.parametrize("fn", [_inverse_by_numbers, _inverse_by_argsort, _added_back_per_token, _written_back,
+                                _copied_back_by_a_floor_division])
 def test_a_dispatch_that_puts_the_rows_back_microbatches_and_pads_exactly_without_a_warning(fn):
     split = df.jit(T.microbatch(fn, num=2, in_axes=(0, None, None)), progress=False)
     padded = df.jit(fn, buckets=(4, 8), in_axes=(0, None, None), progress=False)
@@ -142,7 +150,7 @@ def test_rows_gathered_in_an_order_other_than_their_own_sort_warn():
     assert not torch.allclose(got, fn(*args))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_transformers_moe_models_microbatch_and_pad_without_a_warning(name):
     fn, params = df.pure(tiny_moe(name))
     logits = lambda p, ids: fn(p, ids, use_cache=False).logits          # noqa: E731
