@@ -191,7 +191,25 @@ def _unmodelled(node: fx.Node, bound: dict[str, Any], flow: RowFlow) -> State:
     if state.axis in named:
         return record_finding(node, flow, f"works along the batch axis ({named[state.axis]}), so rows of the "
                                           f"result read or move other rows of the batch")
-    return each_result(node, UNKNOWN)
+    return each_result(node, _rows_read_in_order(bound, flow) if packet == "aten.index" else UNKNOWN)
+
+
+def _rows_read_in_order(bound: dict[str, Any], flow: RowFlow) -> State:
+    """`x[arange(b)[:, None, None], positions]`, as transformers' mask builders index each row: the
+    rows' own numbers index the batch axis (0), and indices that read no row pick positions within a
+    row, constant along the rows. Row `b` of the result reads row `b` alone, on the axis where the
+    numbers lie once the indices broadcast."""
+    source, indices = bound["self"], [index for index in bound["indices"] if index is not None]
+    if (flow.states[source] != Rows(0) or not indices or bound["indices"][:len(indices)] != indices
+            or not _counts_rows_in_order(indices[0], source, 0)
+            or any(flow.states.get(index) is not None for index in indices[1:])):
+        return UNKNOWN
+    shapes = [tuple(index.meta["val"].shape) for index in indices]
+    rank = max(len(shape) for shape in shapes)
+    axis = rank - len(shapes[0])
+    if any(0 <= len(shape) - rank + axis and shape[len(shape) - rank + axis] != 1 for shape in shapes[1:]):
+        return UNKNOWN                            # positions that differ from row to row
+    return Rows(axis)
 
 
 _FLAT_POSITIONS = frozenset({"aten.put", "aten.take"})

@@ -614,6 +614,24 @@ def test_rows_joined_to_an_empty_cache_are_followed_and_a_mix_after_it_warns():
         df.jit(T.microbatch(fn, num=2))(torch.randn(6, 3))
 
 
+def _masked(x, mask, along):
+    """transformers' mask builders read the mask row by row: `mask[arange(b)[:, None], positions]`."""
+    rows, positions = torch.arange(x.shape[0])[:, None], torch.arange(mask.shape[1])[None, :]
+    return (x * mask[rows, positions]).softmax(along)
+
+
+def test_rows_read_by_their_own_numbers_are_followed_past_the_mask():
+    x, mask = torch.randn(5, 4), torch.rand(5, 4)
+    exact = df.jit(lambda x, m: _masked(x, m, 1), buckets=(8,), in_axes=(0, 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(exact(x, mask), _masked(x, mask, 1))
+    assert [str(w.message) for w in caught] == []
+    with pytest.warns(UserWarning, match=r"with buckets: aten\._softmax works along the batch axis"):
+        got = df.jit(lambda x, m: _masked(x, m, 0), buckets=(8,), in_axes=(0, 0))(x, mask)
+    assert not torch.allclose(got, _masked(x, mask, 0))
+
+
 def test_a_returned_nan_is_the_same_number_at_every_batch_size():
     """NaN differs from itself; returned by both traces it is no number computed from the batch size."""
     fn = lambda x: (x * 2, float("nan"))   # noqa: E731
