@@ -77,6 +77,20 @@ def _layer_norm(call: RuleCall) -> State:
     return call.result(state)
 
 
+def _layer_norm_backward(call: RuleCall) -> State:
+    """The gradients of a layer norm: of its input per row (from the output's gradient, the input and
+    its per-row mean and inverse deviation), of its weight and bias summed over every row."""
+    carrying = [n for n in call.node.all_input_nodes if isinstance(call.flow.states[n], Rows)]
+    state, rank = same_rows([call.flow.states[n] for n in carrying]), call.rank(call.bound["input"])
+    if state is UNKNOWN or any(call.rank(n) != rank for n in carrying):
+        return call.result(UNKNOWN)
+    if state.axis >= rank - len(call.bound["normalized_shape"]):
+        return call.report("normalizes across the batch axis, so every row reads the other rows")
+    summed = call.reduced(sum_of_rows=True)
+    return tuple(None if not isinstance(value, torch.Tensor) else state if i == 0 else summed
+                 for i, value in enumerate(call.node.meta["val"]))
+
+
 def _group_norm(call: RuleCall) -> State:
     """Normalizes each sample (dimension 0) over its channel groups and positions."""
     return _per_sample(call, "normalizes")
@@ -174,7 +188,8 @@ LAYER_RULES: dict[str, Callable[[RuleCall], State]] = {
     "aten.soft_margin_loss_backward": pointwise, "aten.binary_cross_entropy_backward": pointwise,
     "aten.embedding": _embedding,
     "aten.embedding_dense_backward": _embedding_backward, "aten.convolution": _convolution,
-    "aten.native_layer_norm": _layer_norm, "aten.native_group_norm": _group_norm,
+    "aten.native_layer_norm": _layer_norm, "aten.native_layer_norm_backward": _layer_norm_backward,
+    "aten.native_group_norm": _group_norm,
     "aten.native_batch_norm": _batch_norm, "aten._native_batch_norm_legit": _batch_norm,
     "aten._native_batch_norm_legit_functional": _batch_norm,
     "aten._native_batch_norm_legit_no_training": _batch_norm, "aten.cudnn_batch_norm": _batch_norm,

@@ -65,7 +65,7 @@ class SortOrder:
 
 @dataclass(frozen=True)
 class GroupOffsets:
-    """How many sorted elements fall into each bin (histc, bincount of the sorted values), summed up
+    """How many sorted elements fall into each bin (histc of the sorted values), summed up
     with `cumulative` (cumsum): the offsets that group sorted rows by their own values."""
 
     sorting: Sorting
@@ -219,7 +219,7 @@ def _gather(node: fx.Node, bound: dict[str, Any], flow: RowFlow, sorting: Sortin
 
 
 def _count(node: fx.Node, bound: dict[str, Any], flow: RowFlow, sorting: Sorting) -> State | None:
-    """histc, bincount of the ascending sorted values: how many fall into each bin, the bins in the
+    """histc of the ascending sorted values: how many fall into each bin, the bins in the
     values' order. histc leaves out values past its range; past `max`, they sort after every counted
     one and are left out at the end, but one under `min` would shift every group: so histc counts
     only values no smaller than its `min` can be (indices, as top-k's expert ids are)."""

@@ -99,6 +99,20 @@ def test_the_gradients_of_a_dispatch_microbatch_exactly_without_a_warning(fn):
     assert _sort_warnings(record) == []
 
 
+def test_gradients_through_a_layer_norm_after_the_dispatch_microbatch_without_a_warning():
+    """The layer norm's backward runs first and hands the dispatch's backward its rows."""
+    def loss(params, x):
+        return F.layer_norm(_inverse_by_numbers(x, *params), (OUT,)).square().mean()
+
+    x, *params = _inputs(8)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step = df.jit(T.microbatch(df.value_and_grad(loss), num=2, in_axes=(None, 0), out_axes="mean"), progress=False)
+        got = step(params, x)
+    torch.testing.assert_close(got, df.value_and_grad(loss)(params, x))
+    assert _sort_warnings(record) == []
+
+
 def _summed_in_sorted_order(x, router, experts):
     out, _ = _grouped(x, router, experts)
     return out.view(-1, TOP, OUT).sum(1)                               # never put back
