@@ -33,8 +33,8 @@ from ..compat import OpOverload
 from ..errors import InternalError
 from ..ir import ops
 from .row_rules import fills_like, reads_only_shapes, rule_for
-from .row_states import (UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, arange_bounds, describe, each_result,
-                         places_rows_into_made, record_finding)
+from .row_states import (RULE_ARGUMENT_ERRORS, UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, arange_bounds,
+                         describe, each_result, places_rows_into_made, record_finding)
 from .sorted_rows import follow_sorted, is_sorted_state, unresolved_output
 
 
@@ -120,7 +120,7 @@ def _transfer(node: fx.Node, flow: RowFlow, rows: int) -> State:
         return _unmodelled(node, bound, flow)
     try:
         return rule(RuleCall(node, bound, flow, rows))
-    except (KeyError, IndexError, TypeError, ValueError):    # arguments not as the rule expects them
+    except RULE_ARGUMENT_ERRORS:
         return each_result(node, UNKNOWN)
 
 

@@ -132,6 +132,10 @@ class RuleCall:
         return record_finding(self.node, self.flow, reason, causal)
 
 
+RULE_ARGUMENT_ERRORS = (KeyError, IndexError, TypeError, ValueError)
+"""What a rule raises where an op's arguments are not as it expects them: the op is then not followed."""
+
+
 def places_rows_into_made(bound: dict[str, Any], flow: RowFlow) -> bool:
     """Whether an op writes into a tensor the function makes (`RowFlow.made`) at positions that an
     index argument (`index`, or a tensor of `indices`) takes from the rows' data: `out = zeros(b, d);

@@ -28,8 +28,8 @@ from torch import fx
 
 from ..compat import OpOverload
 from ..ir import ops
-from .row_states import (UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, arange_bounds, describe, each_result,
-                         record_finding)
+from .row_states import (RULE_ARGUMENT_ERRORS, UNKNOWN, Reduced, RowFlow, Rows, RuleCall, State, arange_bounds,
+                         describe, each_result, record_finding)
 from .tensor_row_rules import TENSOR_RULES, pointwise
 
 
@@ -157,7 +157,7 @@ def _element_by_element(node: fx.Node, bound: dict[str, Any], inputs: list[fx.No
     shadow = RowFlow({**{n: flow.states[n] for n in node.all_input_nodes}, **stand_ins}, [], flow.made)
     try:
         result = rows_rule(RuleCall(node, bound, shadow, lengths.pop()))
-    except (KeyError, IndexError, TypeError, ValueError):
+    except RULE_ARGUMENT_ERRORS:
         return None
     results = result if isinstance(result, tuple) else (result,)
     if shadow.findings or any(r is not None and not (isinstance(r, Rows) and r == Rows(r.axis)) for r in results):
